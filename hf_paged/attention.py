@@ -1,0 +1,110 @@
+"""`paged_attention_forward`: attention that reads each layer's K/V through the block tables of a `PagedCache`."""
+
+from __future__ import annotations
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+ATTENTION_NAME = "hf_paged"
+
+
+def _repeat_kv(hidden: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """`[B, H_kv, L, D]` -> `[B, H_kv * n_rep, L, D]`, each KV head repeated for its query group."""
+    if n_rep == 1:
+        return hidden
+    batch, num_kv_heads, length, head_dim = hidden.shape
+    hidden = hidden[:, :, None, :, :].expand(batch, num_kv_heads, n_rep, length, head_dim)
+    return hidden.reshape(batch, num_kv_heads * n_rep, length, head_dim)
+
+
+def _causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """Boolean `[1, 1, q_len, kv_len]` mask: query i (at position kv_len - q_len + i) sees keys up to itself."""
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    return (torch.arange(kv_len, device=device)[None, :] <= q_pos)[None, None]
+
+
+def eager_paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    training: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention in plain torch ops, for what SDPA cannot express: logit soft-capping and attention sinks.
+
+    Args:
+        query (`torch.Tensor`): `[B, H_q, q, D]`.
+        key, value (`torch.Tensor`): `[B, H_kv, L, D]`, `H_q` a multiple of `H_kv` (grouped-query attention).
+        attention_mask (`torch.Tensor`, *optional*): boolean (True = attend) or additive float, `[B, 1, q, L]`;
+            `None` means causal.
+        scaling (`float`, *optional*): logit scale, `D ** -0.5` by default.
+        softcap (`float`, *optional*): logits become `softcap * tanh(logits / softcap)`.
+        sinks (`torch.Tensor`, *optional*): one learned logit per head that takes softmax mass but has no value.
+
+    Returns:
+        `(output [B, q, H_q, D], probabilities [B, H_q, q, L])`.
+    """
+    n_rep = query.shape[1] // key.shape[1]
+    key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    logits = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    if attention_mask is None:
+        attention_mask = _causal_mask(query.shape[2], key.shape[2], query.device)
+    attention_mask = attention_mask[:, :, :, : key.shape[2]]
+    if attention_mask.dtype == torch.bool:
+        logits = logits.masked_fill(~attention_mask, torch.finfo(logits.dtype).min)
+    else:
+        logits = logits + attention_mask
+    if sinks is not None:
+        sink_logits = sinks.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[2], 1).to(logits.dtype)
+        logits = torch.cat([logits, sink_logits], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)[..., :-1].to(query.dtype)
+    else:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = torch.nn.functional.dropout(probs, p=dropout, training=training)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    paged_cache=None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention registered as `"hf_paged"` in transformers' `AttentionInterface` (its mask as `"hf_paged"` in
+    `AttentionMaskInterface`).
+
+    When the forward runs with a `PagedCache` (injected as `paged_cache` by hf_paged's forward pre-hook), `key` and
+    `value` are only this step's tokens, already written into the pool; the full K/V of the layer is read through
+    the row block tables (`PagedCache.read_layer`). Without a paged cache it attends over the `key`/`value` given.
+    The grouped-query factor comes from the tensor shapes; `scaling`, `softcap`, attention sinks (`s_aux`) and the
+    (sliding-window, padded) mask are honoured.
+    """
+    if paged_cache is not None and paged_cache.reads_tables_in_attention():
+        key, value = paged_cache.read_layer(getattr(module, "layer_idx", None))
+    num_heads, num_kv_heads = query.shape[1], key.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    n_rep = num_heads // num_kv_heads
+    dropout = dropout if module.training else 0.0
+    if softcap is not None or s_aux is not None:
+        return eager_paged_attention(
+            query, key, value, attention_mask, scaling, dropout, softcap, s_aux, training=module.training
+        )
+    if n_rep > 1 and getattr(module, "num_key_value_groups", None) != n_rep:
+        key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)

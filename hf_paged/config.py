@@ -1,0 +1,123 @@
+"""`cache_config` keys understood by hf_paged, parsed and validated in one place."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_CPU_KV_BYTES = 256 * 1024**2
+DEFAULT_GPU_MEMORY_FRACTION = 0.9
+DEFAULT_ATTN_IMPLEMENTATION = "hf_paged"
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_MEMORY_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_memory(value: int | str) -> int:
+    """Bytes from an int or a string such as `"512MiB"`, `"2 GB"` or `"1.5GiB"`.
+
+    Example:
+
+    ```python
+    >>> parse_memory("512MiB"), parse_memory("2GB"), parse_memory(4096)
+    (536870912, 2000000000, 4096)
+
+    ```
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"max_memory must be an int (bytes) or a string like '512MiB', got {value!r}")
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, str):
+        match = _MEMORY_PATTERN.match(value)
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise ValueError(
+                f"max_memory={value!r} is not a memory size; use bytes or a number with one of the units "
+                f"{sorted(u for u in _UNITS if u)} (e.g. '512MiB')"
+            )
+        number = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    else:
+        raise TypeError(f"max_memory must be an int (bytes) or a string like '512MiB', got {type(value).__name__}")
+    if number <= 0:
+        raise ValueError(f"max_memory must be > 0 bytes, got {value!r}")
+    return number
+
+
+@dataclass(frozen=True)
+class PagedCacheConfig:
+    """Options of the paged KV cache, given as `cache_config={...}` to `generate` or as keywords to `PagedCache`.
+
+    Args:
+        block_size (`int`, *optional*): tokens per block (default 16).
+        num_blocks (`int`, *optional*): blocks in the model's pool. Exclusive with `max_memory`.
+        max_memory (`int | str`, *optional*): KV bytes for the pool (`"512MiB"`), turned into `num_blocks`.
+        memory_fraction (`float`, *optional*): on CUDA, the fraction of free device memory the pool may take
+            when neither `num_blocks` nor `max_memory` is given (default 0.9).
+        attn_implementation (`str`, *optional*): attention used while generating with the paged cache: `"hf_paged"`
+            (default, reads K/V through the block tables) or a stock one such as `"sdpa"` or `"eager"`.
+
+    Example:
+
+    ```python
+    >>> PagedCacheConfig.from_dict({"block_size": 8, "max_memory": "64MiB"}).block_size
+    8
+
+    ```
+    """
+
+    block_size: int | None = None
+    num_blocks: int | None = None
+    max_memory: int | None = None
+    memory_fraction: float | None = None
+    attn_implementation: str | None = None
+
+    @classmethod
+    def from_dict(cls, options: dict | None) -> PagedCacheConfig:
+        options = dict(options or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown cache_config key(s) {unknown}; hf_paged understands {sorted(known)}")
+        config = cls(**options)
+        config._validate()
+        return config
+
+    def _validate(self) -> None:
+        for name in ("block_size", "num_blocks"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"cache_config {name} must be a positive int, got {value!r}")
+            if value <= 0:
+                raise ValueError(f"cache_config {name} must be a positive int (>= 1), got {value}")
+        if self.num_blocks is not None and self.max_memory is not None:
+            raise ValueError(
+                f"give either num_blocks ({self.num_blocks}) or max_memory ({self.max_memory!r}), not both"
+            )
+        if self.max_memory is not None:
+            object.__setattr__(self, "max_memory", parse_memory(self.max_memory))
+        if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"cache_config memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.attn_implementation is not None and not isinstance(self.attn_implementation, str):
+            raise TypeError(f"cache_config attn_implementation must be a string, got {self.attn_implementation!r}")
+
+    @property
+    def resolved_block_size(self) -> int:
+        return self.block_size if self.block_size is not None else DEFAULT_BLOCK_SIZE
+
+    @property
+    def resolved_attn_implementation(self) -> str:
+        return self.attn_implementation or DEFAULT_ATTN_IMPLEMENTATION

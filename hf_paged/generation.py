@@ -1,0 +1,211 @@
+"""Generation glue: the only module that touches transformers internals.
+
+`enable()` (run by `import hf_paged`) registers the `"hf_paged"` attention and mask, and wraps two methods of
+`GenerationMixin`:
+
+- `generate`: catches `cache_implementation="paged"` (argument or generation config) before transformers reroutes it
+  to its own continuous batching or silently falls back to `DynamicCache`; switches the model's attention for the call
+  and restores it; returns every block when the cache is not handed back to the caller.
+- `_prepare_cache_for_generation`: where `generate` builds its cache; for a paged request it builds a `PagedCache`
+  from `cache_config`.
+
+A forward pre-hook on each model that meets a `PagedCache` hands the cache the forward's 2D attention mask (so pad
+tokens are never stored) and, under the `"hf_paged"` attention, passes the cache to the attention function.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import threading
+from contextlib import contextmanager
+
+import torch
+from transformers import AttentionInterface, GenerationConfig
+from transformers.generation.utils import GenerationMixin
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.utils import ModelOutput
+
+from .attention import ATTENTION_NAME, paged_attention_forward
+from .cache import PagedCache
+from .config import PagedCacheConfig
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_TRANSFORMERS = (">=5.23", "<5.24")
+PAGED = "paged"
+
+_original_generate = GenerationMixin.generate
+_original_prepare_cache = GenerationMixin._prepare_cache_for_generation
+_state = threading.local()
+_switch_lock = threading.Lock()
+_switched: dict[int, list] = {}  # id(model) -> [users, previous implementation]
+
+
+def is_enabled() -> bool:
+    return GenerationMixin.generate is not _original_generate
+
+
+def enable() -> None:
+    """Make `cache_implementation="paged"` use `PagedCache` in `generate` (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    if not is_enabled():
+        GenerationMixin.generate = _paged_generate
+        GenerationMixin._prepare_cache_for_generation = _prepare_paged_cache
+
+
+def disable() -> None:
+    """Restore stock `generate` and unregister the `"hf_paged"` attention (idempotent)."""
+    GenerationMixin.generate = _original_generate
+    GenerationMixin._prepare_cache_for_generation = _original_prepare_cache
+    AttentionInterface._global_mapping.pop(ATTENTION_NAME, None)
+    AttentionMaskInterface._global_mapping.pop(ATTENTION_NAME, None)
+
+
+# ---------------------------------------------------------------------- forward pre-hook
+def attach_to_model(model: torch.nn.Module) -> None:
+    """Install (once) the forward pre-hook that binds a `PagedCache` to each forward of `model`."""
+    if getattr(model, "_hf_paged_hook", None) is None:
+        model._hf_paged_hook = model.register_forward_pre_hook(_before_forward, with_kwargs=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_takes_kwargs(model_class: type) -> bool:
+    parameters = inspect.signature(model_class.forward).parameters.values()
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def _before_forward(module: torch.nn.Module, args: tuple, kwargs: dict):
+    cache = kwargs.get("past_key_values")
+    if not isinstance(cache, PagedCache):
+        return None
+    reads_tables = module.config._attn_implementation == ATTENTION_NAME and _forward_takes_kwargs(type(module))
+    cache.bind_forward(module, kwargs.get("attention_mask"), reads_tables)
+    if not reads_tables:
+        return None
+    kwargs["paged_cache"] = cache
+    return args, kwargs
+
+
+# ---------------------------------------------------------------------- attention switch
+@contextmanager
+def attention_implementation(model: torch.nn.Module, implementation: str):
+    """Run the block with `model` on `implementation`, restoring the previous one afterwards (nesting and threads
+    sharing the model are counted: the last one out restores)."""
+    key = id(model)
+    with _switch_lock:
+        entry = _switched.get(key)
+        if entry is None:
+            previous = model.config._attn_implementation
+            if previous != implementation:
+                model.set_attn_implementation(implementation)
+            entry = _switched[key] = [0, previous]
+        elif model.config._attn_implementation != implementation:
+            raise RuntimeError(
+                f"{type(model).__name__} is running paged generation with attention {model.config._attn_implementation!r} "
+                f"in another thread; cannot switch to {implementation!r} concurrently"
+            )
+        entry[0] += 1
+    try:
+        yield
+    finally:
+        with _switch_lock:
+            entry[0] -= 1
+            if entry[0] == 0:
+                del _switched[key]
+                if model.config._attn_implementation != entry[1]:
+                    model.set_attn_implementation(entry[1])
+
+
+# ---------------------------------------------------------------------- generate wrapper
+class _PagedRequest:
+    """One paged `generate` call of this thread: what cache to build, and the cache built."""
+
+    def __init__(self, model: torch.nn.Module, config: PagedCacheConfig | None):
+        self.model = model
+        self.config = config
+        self.cache: PagedCache | None = None
+
+
+def _requests() -> list[_PagedRequest]:
+    if not hasattr(_state, "requests"):
+        _state.requests = []
+    return _state.requests
+
+
+def _asks_for_paged(model, generation_config: GenerationConfig | None, kwargs: dict) -> bool:
+    if kwargs.get("cache_implementation") is not None:
+        return kwargs["cache_implementation"] == PAGED
+    config = generation_config if generation_config is not None else getattr(model, "generation_config", None)
+    return getattr(config, "cache_implementation", None) == PAGED
+
+
+def _cache_config_of(model, generation_config: GenerationConfig | None, kwargs: dict) -> PagedCacheConfig:
+    options = kwargs.get("cache_config")
+    if options is None:
+        config = generation_config if generation_config is not None else getattr(model, "generation_config", None)
+        options = getattr(config, "cache_config", None)
+    return PagedCacheConfig.from_dict(options)
+
+
+@functools.wraps(_original_generate)
+def _paged_generate(self, inputs=None, generation_config=None, **kwargs):
+    user_cache = kwargs.get("past_key_values")
+    if not _asks_for_paged(self, generation_config, kwargs):
+        if isinstance(user_cache, PagedCache):
+            implementation = user_cache.cache_config.resolved_attn_implementation
+            with attention_implementation(self, implementation):
+                return _original_generate(self, inputs, generation_config, **kwargs)
+        return _original_generate(self, inputs, generation_config, **kwargs)
+
+    if user_cache is not None:
+        raise ValueError(
+            "Passing both `cache_implementation='paged'` and `past_key_values` is unsupported: pass the PagedCache "
+            "alone to continue from it, or neither to build a fresh one."
+        )
+    if self.config.is_encoder_decoder:
+        raise NotImplementedError(f"{type(self).__name__} is an encoder-decoder model; paged generation serves "
+                                  "decoder-only models")
+    config = _cache_config_of(self, generation_config, kwargs)
+    kwargs.pop("cache_implementation", None)
+    kwargs.pop("cache_config", None)
+    request = _PagedRequest(self, config)
+    requests = _requests()
+    requests.append(request)
+    try:
+        with attention_implementation(self, config.resolved_attn_implementation):
+            output = _original_generate(self, inputs, generation_config, **kwargs)
+    except BaseException:
+        if request.cache is not None and not request.cache.is_released:
+            request.cache.release()
+        raise
+    finally:
+        requests.remove(request)
+    cache = request.cache
+    if cache is not None and not (isinstance(output, ModelOutput) and output.get("past_key_values") is cache):
+        cache.release()
+    return output
+
+
+def _prepare_paged_cache(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):
+    request = next((r for r in reversed(_requests()) if r.model is self and r.cache is None), None)
+    if request is None:
+        return _original_prepare_cache(
+            self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+        )
+    if model_kwargs.get("past_key_values") is not None:
+        raise ValueError("Passing both `cache_implementation='paged'` and `past_key_values` is unsupported.")
+    if not self._supports_default_dynamic_cache():
+        raise NotImplementedError(f"{type(self).__name__} keeps a recurrent state, not a KV cache; paged "
+                                  "generation does not apply to it")
+    request.cache = _new_cache(self, request.config)
+    model_kwargs["past_key_values"] = request.cache
+    if generation_config.is_assistant:
+        request.cache.activate_past_recording()
+
+
+def _new_cache(model, config: PagedCacheConfig) -> PagedCache:
+    options = {name: value for name, value in vars(config).items() if value is not None}
+    return PagedCache(model, **options)

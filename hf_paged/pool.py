@@ -1,0 +1,190 @@
+"""The global block pool of a model: one allocator plus its KV storage, sized once."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from .allocator import AllocatorStats, BlockAllocator
+from .config import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_FRACTION, PagedCacheConfig
+from .storage import KVStorage
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What one token costs in the KV cache of a model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        """2 (K and V) x layers x KV heads x head dim x dtype bytes."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module) -> KVShape:
+        config = model.config.get_text_config(decoder=True)
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        dtype = next(model.parameters()).dtype
+        if not dtype.is_floating_point:
+            dtype = torch.get_default_dtype()
+        return cls(config.num_hidden_layers, num_kv_heads, head_dim, dtype)
+
+
+class BlockPool:
+    """One `BlockAllocator` and the `KVStorage` its block ids index, shared by every `PagedCache` of a model.
+
+    Args:
+        num_blocks (`int`): physical blocks.
+        block_size (`int`): tokens per block.
+        kv_shape (`KVShape`, *optional*): the model's per-token KV cost, for byte accounting.
+
+    Example:
+
+    ```python
+    >>> pool = BlockPool(num_blocks=8, block_size=4)
+    >>> table = pool.allocator.new_table()
+    >>> _ = pool.allocator.append(table, 5)
+    >>> pool.stats().num_used, pool.stats().waste_fraction
+    (2, 0.375)
+    >>> pool.allocator.free(table)
+    >>> pool.check_invariants()
+
+    ```
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, kv_shape: KVShape | None = None):
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.storage = KVStorage(num_blocks, block_size)
+        self.kv_shape = kv_shape
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.allocator.block_size
+
+    @property
+    def lock(self) -> threading.RLock:
+        return self.allocator.lock
+
+    def stats(self) -> AllocatorStats:
+        return self.allocator.stats()
+
+    def check_invariants(self) -> None:
+        self.allocator.check_invariants()
+
+    def reset_peak(self) -> None:
+        self.allocator.reset_peak()
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return f"BlockPool(num_blocks={s.num_blocks}, block_size={s.block_size}, used={s.num_used})"
+
+
+_pools: weakref.WeakKeyDictionary[torch.nn.Module, BlockPool] = weakref.WeakKeyDictionary()
+_pools_lock = threading.Lock()
+
+
+def _num_blocks_for_budget(kv_shape: KVShape, block_size: int, budget_bytes: int, source: str) -> int:
+    bytes_per_block = kv_shape.bytes_per_token * block_size
+    num_blocks = budget_bytes // bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"{source} ({budget_bytes} bytes) is smaller than one KV block "
+            f"({bytes_per_block} bytes = {block_size} tokens x {kv_shape.bytes_per_token} bytes per token)"
+        )
+    return num_blocks
+
+
+def _default_budget(model: torch.nn.Module, config: PagedCacheConfig) -> tuple[int, str]:
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        fraction = config.memory_fraction or DEFAULT_GPU_MEMORY_FRACTION
+        return int(free * fraction), f"{fraction:.0%} of free CUDA memory"
+    return DEFAULT_CPU_KV_BYTES, "the default CPU KV budget"
+
+
+def _size_pool(model: torch.nn.Module, config: PagedCacheConfig) -> tuple[int, int, KVShape]:
+    kv_shape = KVShape.from_model(model)
+    block_size = config.resolved_block_size
+    if config.num_blocks is not None:
+        return config.num_blocks, block_size, kv_shape
+    if config.max_memory is not None:
+        budget, source = config.max_memory, f"max_memory={config.max_memory}"
+    else:
+        budget, source = _default_budget(model, config)
+    return _num_blocks_for_budget(kv_shape, block_size, budget, source), block_size, kv_shape
+
+
+def _pool_matches(pool: BlockPool, config: PagedCacheConfig, num_blocks: int, block_size: int) -> bool:
+    if config.block_size is not None and pool.block_size != block_size:
+        return False
+    explicit_size = config.num_blocks is not None or config.max_memory is not None
+    return not explicit_size or pool.num_blocks == num_blocks
+
+
+def get_pool(model: torch.nn.Module, **cache_config) -> BlockPool:
+    """The model's global `BlockPool`, created on first use.
+
+    Sizing, in order: `num_blocks`; `max_memory` (bytes or `"512MiB"`); else, on CUDA, `memory_fraction` (0.9) of
+    the device's free memory after the weights, and on CPU a fixed budget of 256 MiB. Asking again with a different
+    `block_size`, `num_blocks` or `max_memory` rebuilds the pool when none of its blocks is in use and raises
+    `ValueError` otherwise.
+
+    Example:
+
+    ```python
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    ...                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=100))
+    >>> pool = get_pool(model, block_size=8, num_blocks=64)
+    >>> pool.num_blocks, pool.block_size, get_pool(model) is pool
+    (64, 8, True)
+
+    ```
+    """
+    config = cache_config.pop("config", None) or PagedCacheConfig.from_dict(cache_config)
+    with _pools_lock:
+        pool = _pools.get(model)
+        if pool is not None and config == PagedCacheConfig():
+            return pool
+        num_blocks, block_size, kv_shape = _size_pool(model, config)
+        if pool is not None and _pool_matches(pool, config, num_blocks, block_size):
+            return pool
+        if pool is not None and pool.allocator.num_used:
+            raise ValueError(
+                f"the model's KV pool has block_size={pool.block_size}, num_blocks={pool.num_blocks} and "
+                f"{pool.allocator.num_used} blocks in use; it cannot be rebuilt as block_size={block_size}, "
+                f"num_blocks={num_blocks} until every PagedCache using it is released"
+            )
+        pool = BlockPool(num_blocks, block_size, kv_shape)
+        logger.info(
+            "hf_paged: pool of %d blocks x %d tokens (%.1f MiB of KV) for %s",
+            num_blocks,
+            block_size,
+            num_blocks * block_size * kv_shape.bytes_per_token / 2**20,
+            type(model).__name__,
+        )
+        _pools[model] = pool
+        return pool
+
+
+def release_pool(model: torch.nn.Module) -> None:
+    """Forget the model's pool (its memory goes when the last cache using it is gone)."""
+    with _pools_lock:
+        _pools.pop(model, None)

@@ -1,0 +1,103 @@
+"""Physical KV tensors: the only owner of the pool's memory."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .allocator import BlockCopy
+
+
+class KVStorage:
+    """Per-layer K and V tensors of shape `[num_blocks, block_size, num_kv_heads, head_dim]` (the layout paged GPU
+    kernels such as flash-attn's `flash_attn_with_kvcache(block_table=...)` read).
+
+    A layer's tensors are allocated on the first write, on the device and in the dtype of the K/V that layer
+    produces, so models spread over several devices keep each layer's blocks next to its weights. Slots are
+    addressed as `block_id * block_size + offset`.
+
+    Args:
+        num_blocks (`int`): blocks per layer.
+        block_size (`int`): tokens per block.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> storage = KVStorage(num_blocks=4, block_size=2)
+    >>> k = v = torch.arange(12.0).view(3, 1, 4)          # 3 tokens, 1 head, head_dim 4
+    >>> storage.write(0, torch.tensor([2, 3, 6]), k, v)    # tokens land in blocks 1 and 3
+    >>> keys, _ = storage.gather(0, torch.tensor([[2, 3, 6]]))
+    >>> keys.shape, torch.equal(keys[0, 0], k[:, 0])
+    (torch.Size([1, 1, 3, 4]), True)
+
+    ```
+    """
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
+
+    def ensure_layer(self, layer_idx: int, like: torch.Tensor) -> None:
+        """Allocate `layer_idx` for tokens shaped like `like` (`[..., num_kv_heads, head_dim]`) or check it matches."""
+        num_heads, head_dim = like.shape[-2], like.shape[-1]
+        existing = self.keys.get(layer_idx)
+        if existing is None:
+            with self._lock:
+                if layer_idx not in self.keys:
+                    shape = (self.num_blocks, self.block_size, num_heads, head_dim)
+                    self.keys[layer_idx] = torch.empty(shape, dtype=like.dtype, device=like.device)
+                    self.values[layer_idx] = torch.empty(shape, dtype=like.dtype, device=like.device)
+            return
+        if existing.shape[2:] != (num_heads, head_dim) or existing.dtype != like.dtype or existing.device != like.device:
+            raise ValueError(
+                f"layer {layer_idx} of the KV pool holds {existing.shape[2]} heads x {existing.shape[3]} dims of "
+                f"{existing.dtype} on {existing.device}, but the model produced {num_heads} heads x {head_dim} dims "
+                f"of {like.dtype} on {like.device}. A pool serves one model in one dtype; call "
+                "hf_paged.release_pool(model) after changing the model's dtype or device."
+            )
+
+    def write(self, layer_idx: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store tokens `keys[i]`, `values[i]` (each `[num_tokens, num_kv_heads, head_dim]`) into `slots[i]`."""
+        self.ensure_layer(layer_idx, keys)
+        flat_keys, flat_values = self._flat(layer_idx)
+        flat_keys.index_copy_(0, slots, keys)
+        flat_values.index_copy_(0, slots, values)
+
+    def gather(self, layer_idx: int, slot_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the slots in `slot_map` (`[batch, length]`) as `[batch, num_kv_heads, length, head_dim]`."""
+        flat_keys, flat_values = self._flat(layer_idx)
+        batch, length = slot_map.shape
+        index = slot_map.reshape(-1)
+        keys = flat_keys.index_select(0, index).view(batch, length, *flat_keys.shape[1:]).transpose(1, 2)
+        values = flat_values.index_select(0, index).view(batch, length, *flat_values.shape[1:]).transpose(1, 2)
+        return keys, values
+
+    def copy_blocks(self, copies: list[BlockCopy]) -> None:
+        """Copy whole blocks `src -> dst` in every allocated layer (copy-on-write)."""
+        if not copies:
+            return
+        for layer_idx, keys in self.keys.items():
+            src = torch.tensor([c.src for c in copies], device=keys.device)
+            dst = torch.tensor([c.dst for c in copies], device=keys.device)
+            keys.index_copy_(0, dst, keys.index_select(0, src))
+            values = self.values[layer_idx]
+            values.index_copy_(0, dst, values.index_select(0, src))
+
+    def has_layer(self, layer_idx: int) -> bool:
+        return layer_idx in self.keys
+
+    def device_of(self, layer_idx: int) -> torch.device:
+        return self.keys[layer_idx].device
+
+    def _flat(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        return keys.view(-1, *keys.shape[2:]), values.view(-1, *values.shape[2:])
