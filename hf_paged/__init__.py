@@ -11,7 +11,7 @@ from .cache import PagedCache, PagedLayer
 from .config import PagedCacheConfig, parse_memory
 from .errors import InvariantError, PoolExhaustedError
 from .generation import attention_implementation, disable, enable, is_enabled
-from .pool import BlockPool, KVShape, get_pool, release_pool
+from .pool import BlockPool, KVShape, get_pool, live_pools, release_pool
 from .storage import KVStorage
 
 __version__ = "0.1.0"
@@ -38,6 +38,7 @@ __all__ = [
     "enable",
     "get_pool",
     "is_enabled",
+    "live_pools",
     "naive_footprint",
     "paged_attention_forward",
     "paged_footprint",

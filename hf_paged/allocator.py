@@ -211,8 +211,9 @@ class BlockAllocator:
             for index in range(first_written, len(table.block_ids)):
                 block_id = table.block_ids[index]
                 if self._ref_counts[block_id] != 1:
-                    raise InvariantError(f"invariant 5: about to write into block {block_id} with refcount "
-                                         f"{self._ref_counts[block_id]}")
+                    raise InvariantError(
+                        f"invariant 5: about to write into block {block_id} with refcount {self._ref_counts[block_id]}"
+                    )
                 self._fill[block_id] = min(self.block_size, total - index * self.block_size)
             table.num_tokens = total
             self._peak_used = max(self._peak_used, self.num_used)
@@ -315,11 +316,10 @@ class BlockAllocator:
                         )
             for block_id in range(self.num_blocks):
                 ref = self._ref_counts[block_id]
-                if (block_id in free_set) == (ref > 0):
-                    raise InvariantError(
-                        f"invariant 1: block {block_id} has refcount {ref} and is {'' if block_id in free_set else 'not '}"
-                        "in the free queue"
-                    )
+                is_free = block_id in free_set
+                if is_free == (ref > 0):
+                    where = "in" if is_free else "not in"
+                    raise InvariantError(f"invariant 1: block {block_id} has refcount {ref}, {where} the free queue")
                 if ref != expected[block_id]:
                     raise InvariantError(
                         f"invariant 2: block {block_id} has refcount {ref} but {expected[block_id]} table entries"

@@ -133,7 +133,8 @@ class PagedCache(Cache):
         self.pool: BlockPool = get_pool(model, config=self.cache_config)
         layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * text_config.num_hidden_layers
         layers = [
-            PagedLayer(self, i, is_sliding=layer_type == "sliding_attention") for i, layer_type in enumerate(layer_types)
+            PagedLayer(self, i, is_sliding=layer_type == "sliding_attention")
+            for i, layer_type in enumerate(layer_types)
         ]
         super().__init__(layers=layers)
         self._model_ref = weakref.ref(model)

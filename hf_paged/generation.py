@@ -71,7 +71,7 @@ def attach_to_model(model: torch.nn.Module) -> None:
         model._hf_paged_hook = model.register_forward_pre_hook(_before_forward, with_kwargs=True)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _forward_takes_kwargs(model_class: type) -> bool:
     parameters = inspect.signature(model_class.forward).parameters.values()
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
@@ -102,10 +102,10 @@ def attention_implementation(model: torch.nn.Module, implementation: str):
             if previous != implementation:
                 model.set_attn_implementation(implementation)
             entry = _switched[key] = [0, previous]
-        elif model.config._attn_implementation != implementation:
+        elif (current := model.config._attn_implementation) != implementation:
             raise RuntimeError(
-                f"{type(model).__name__} is running paged generation with attention {model.config._attn_implementation!r} "
-                f"in another thread; cannot switch to {implementation!r} concurrently"
+                f"{type(model).__name__} is running paged generation with attention {current!r} in another thread; "
+                f"cannot switch to {implementation!r} concurrently"
             )
         entry[0] += 1
     try:
@@ -155,6 +155,7 @@ def _paged_generate(self, inputs=None, generation_config=None, **kwargs):
     user_cache = kwargs.get("past_key_values")
     if not _asks_for_paged(self, generation_config, kwargs):
         if isinstance(user_cache, PagedCache):
+            attach_to_model(self)
             implementation = user_cache.cache_config.resolved_attn_implementation
             with attention_implementation(self, implementation):
                 return _original_generate(self, inputs, generation_config, **kwargs)
@@ -166,8 +167,9 @@ def _paged_generate(self, inputs=None, generation_config=None, **kwargs):
             "alone to continue from it, or neither to build a fresh one."
         )
     if self.config.is_encoder_decoder:
-        raise NotImplementedError(f"{type(self).__name__} is an encoder-decoder model; paged generation serves "
-                                  "decoder-only models")
+        raise NotImplementedError(
+            f"{type(self).__name__} is an encoder-decoder model; paged generation serves decoder-only models"
+        )
     config = _cache_config_of(self, generation_config, kwargs)
     kwargs.pop("cache_implementation", None)
     kwargs.pop("cache_config", None)
@@ -198,8 +200,9 @@ def _prepare_paged_cache(self, generation_config, model_kwargs, generation_mode,
     if model_kwargs.get("past_key_values") is not None:
         raise ValueError("Passing both `cache_implementation='paged'` and `past_key_values` is unsupported.")
     if not self._supports_default_dynamic_cache():
-        raise NotImplementedError(f"{type(self).__name__} keeps a recurrent state, not a KV cache; paged "
-                                  "generation does not apply to it")
+        raise NotImplementedError(
+            f"{type(self).__name__} keeps a recurrent state, not a KV cache; paged generation does not apply to it"
+        )
     request.cache = _new_cache(self, request.config)
     model_kwargs["past_key_values"] = request.cache
     if generation_config.is_assistant:

@@ -188,3 +188,9 @@ def release_pool(model: torch.nn.Module) -> None:
     """Forget the model's pool (its memory goes when the last cache using it is gone)."""
     with _pools_lock:
         _pools.pop(model, None)
+
+
+def live_pools() -> list[BlockPool]:
+    """Every pool whose model is still alive (for checks and dashboards)."""
+    with _pools_lock:
+        return list(_pools.values())

