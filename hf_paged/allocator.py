@@ -189,35 +189,46 @@ class BlockAllocator:
         Raises:
             PoolExhaustedError: not enough free blocks; nothing was changed.
         """
+        return self.append_all([(table, num_new_tokens)])
+
+    def append_all(self, requests: list[tuple[BlockTable, int]], what: str | None = None) -> list[BlockCopy]:
+        """`append` for several `(table, num_new_tokens)` at once: all of them, or (`PoolExhaustedError`) none.
+
+        `what` names the request in the error message.
+        """
         with self.lock:
-            needed = self.num_blocks_needed(table, num_new_tokens)
+            needed = self.num_blocks_needed_for(requests)
             if needed > len(self._free):
-                raise PoolExhaustedError(needed, len(self._free), what=f"appending {num_new_tokens} token(s)")
-            if num_new_tokens == 0:
-                return []
+                what = what or f"appending {sum(count for _, count in requests)} token(s)"
+                raise PoolExhaustedError(needed, len(self._free), what=what)
             copies = []
-            room = len(table.block_ids) * self.block_size - table.num_tokens
-            if room > 0 and self._ref_counts[table.block_ids[-1]] > 1:
-                src = table.block_ids[-1]
-                dst = self._take_free_block()
-                self._ref_counts[src] -= 1
-                table.block_ids[-1] = dst
-                copies.append(BlockCopy(src, dst))
-                self._cow_copies += 1
-            first_written = table.num_tokens // self.block_size
-            total = table.num_tokens + num_new_tokens
-            while len(table.block_ids) < _num_blocks_for(total, self.block_size):
-                table.block_ids.append(self._take_free_block())
-            for index in range(first_written, len(table.block_ids)):
-                block_id = table.block_ids[index]
-                if self._ref_counts[block_id] != 1:
-                    raise InvariantError(
-                        f"invariant 5: about to write into block {block_id} with refcount {self._ref_counts[block_id]}"
-                    )
-                self._fill[block_id] = min(self.block_size, total - index * self.block_size)
-            table.num_tokens = total
+            for table, num_new_tokens in requests:
+                if num_new_tokens:
+                    self._append_checked(table, num_new_tokens, copies)
             self._peak_used = max(self._peak_used, self.num_used)
             return copies
+
+    def _append_checked(self, table: BlockTable, num_new_tokens: int, copies: list[BlockCopy]) -> None:
+        room = len(table.block_ids) * self.block_size - table.num_tokens
+        if room > 0 and self._ref_counts[table.block_ids[-1]] > 1:
+            src = table.block_ids[-1]
+            dst = self._take_free_block()
+            self._ref_counts[src] -= 1
+            table.block_ids[-1] = dst
+            copies.append(BlockCopy(src, dst))
+            self._cow_copies += 1
+        first_written = table.num_tokens // self.block_size
+        total = table.num_tokens + num_new_tokens
+        while len(table.block_ids) < _num_blocks_for(total, self.block_size):
+            table.block_ids.append(self._take_free_block())
+        for index in range(first_written, len(table.block_ids)):
+            block_id = table.block_ids[index]
+            if self._ref_counts[block_id] != 1:
+                raise InvariantError(
+                    f"invariant 5: about to write into block {block_id} with refcount {self._ref_counts[block_id]}"
+                )
+            self._fill[block_id] = min(self.block_size, total - index * self.block_size)
+        table.num_tokens = total
 
     def fork(self, table: BlockTable) -> BlockTable:
         """A new table sharing every block of `table` (each refcount + 1); nothing is copied."""

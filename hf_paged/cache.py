@@ -10,7 +10,6 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .allocator import BlockAllocator, BlockTable
 from .config import PagedCacheConfig
-from .errors import PoolExhaustedError
 from .pool import BlockPool, get_pool
 
 
@@ -143,6 +142,7 @@ class PagedCache(Cache):
         self._leading_pads: list[int] = []
         self._seq_length = 0
         self._plan: ForwardPlan | None = None
+        self._slot_map: torch.Tensor | None = None  # slot of every padded position, valid for the current rows
         self._pending: tuple[torch.Tensor | None, bool] | None = None
         self._released = False
         self._finalizer = weakref.finalize(self, _free_tables, self.pool.allocator, self._rows)
@@ -239,22 +239,24 @@ class PagedCache(Cache):
             created = self._ensure_rows(batch)
             try:
                 stores, pads = self._tokens_to_store(attention_mask, batch, num_new)
-                needed = allocator.num_blocks_needed_for(list(zip(self._rows, stores)))
-                if needed > allocator.num_free:
-                    raise PoolExhaustedError(
-                        needed, allocator.num_free, what=f"a forward of {batch} row(s) x {num_new} token(s)"
-                    )
+                copies = allocator.append_all(
+                    list(zip(self._rows, stores)), what=f"a forward of {batch} row(s) x {num_new} token(s)"
+                )
             except BaseException:
                 if created:
                     self._free_rows()
                 raise
-            copies = []
-            for row, (table, count) in enumerate(zip(self._rows, stores)):
-                copies += allocator.append(table, count)
-                self._leading_pads[row] += pads[row]
+            for row, added in enumerate(pads):
+                self._leading_pads[row] += added
             self._seq_length += num_new
             self.pool.storage.copy_blocks(copies)
-            self._plan = self._build_plan(key_states.device, num_new, reads_tables)
+            device = key_states.device
+            extendable = self._slot_map is not None and self._slot_map.device == device and not copies
+            if extendable and not any(pads):
+                self._plan = self._extend_plan(device, num_new, reads_tables)
+            else:
+                self._plan = self._build_plan(device, num_new, reads_tables)
+            self._slot_map = self._plan.slot_map
         return self._plan
 
     def _ensure_rows(self, batch: int) -> bool:
@@ -290,6 +292,7 @@ class PagedCache(Cache):
         return stores, pads
 
     def _build_plan(self, device: torch.device, num_new: int, reads_tables: bool) -> ForwardPlan:
+        """Slot map of every padded position, computed from the block tables."""
         block_size = self.pool.block_size
         length = self._seq_length
         num_cols = max(len(t.block_ids) for t in self._rows)
@@ -304,6 +307,19 @@ class PagedCache(Cache):
             return ForwardPlan(slot_map, new_slots.reshape(-1), None, reads_tables)
         stored = (logical[:, length - num_new :] >= 0).reshape(-1)
         return ForwardPlan(slot_map, new_slots.reshape(-1)[stored], stored.nonzero().squeeze(1), reads_tables)
+
+    def _extend_plan(self, device: torch.device, num_new: int, reads_tables: bool) -> ForwardPlan:
+        """The previous slot map plus the slots of this forward's tokens (no table changed but by appending)."""
+        block_size = self.pool.block_size
+        new = [
+            [
+                t.block_ids[p // block_size] * block_size + p % block_size
+                for p in range(t.num_tokens - num_new, t.num_tokens)
+            ]
+            for t in self._rows
+        ]
+        new_slots = torch.tensor(new, dtype=torch.long, device=device)
+        return ForwardPlan(torch.cat([self._slot_map, new_slots], dim=1), new_slots.reshape(-1), None, reads_tables)
 
     # ------------------------------------------------------------------ row operations used by generate
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -330,7 +346,7 @@ class PagedCache(Cache):
             self._free_rows()
             self._rows.extend(new_rows)
             self._leading_pads.extend(new_pads)
-        self._plan = None
+        self._plan = self._slot_map = None
 
     def crop(self, max_length: int) -> None:
         """Remove the last `-max_length` positions (a negative number, as in transformers); blocks that become
@@ -350,7 +366,7 @@ class PagedCache(Cache):
                 self._leading_pads[row] = min(self._leading_pads[row], new_length)
                 allocator.crop(table, new_length - self._leading_pads[row])
         self._seq_length = new_length
-        self._plan = None
+        self._plan = self._slot_map = None
 
     def activate_past_recording(self) -> None:
         """Nothing to do: every position stays in the pool until `crop` removes it."""
@@ -361,7 +377,7 @@ class PagedCache(Cache):
         with self.pool.allocator.lock:
             self._free_rows()
         self._seq_length = 0
-        self._plan = None
+        self._plan = self._slot_map = None
         self._pending = None
 
     def release(self) -> None:

@@ -71,7 +71,8 @@ class KVStorage:
 
     def write(self, layer_idx: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store tokens `keys[i]`, `values[i]` (each `[num_tokens, num_kv_heads, head_dim]`) into `slots[i]`."""
-        self.ensure_layer(layer_idx, keys)
+        if layer_idx not in self.keys:
+            self.ensure_layer(layer_idx, keys)
         flat_keys, flat_values = self._flat(layer_idx)
         flat_keys.index_copy_(0, slots, keys)
         flat_values.index_copy_(0, slots, values)

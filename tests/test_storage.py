@@ -44,8 +44,6 @@ def test_mismatched_dtype_or_shape_is_refused_with_both_named():
     with pytest.raises(
         ValueError, match="holds 2 heads x 8 dims of torch.float32 .* produced 2 heads x 8 dims of torch.bfloat16"
     ):
-        storage.write(
-            0, torch.tensor([0]), torch.zeros(1, 2, 8, dtype=torch.bfloat16), torch.zeros(1, 2, 8, dtype=torch.bfloat16)
-        )
+        storage.ensure_layer(0, torch.zeros(1, 2, 8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="produced 4 heads x 8 dims"):
         storage.ensure_layer(0, torch.zeros(1, 4, 8))
