@@ -3,41 +3,14 @@
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .allocator import BlockAllocator, BlockTable
 from .config import PagedCacheConfig
+from .plan import ForwardPlan, extend_plan, plan_forward
 from .pool import BlockPool, get_pool
-
-
-@dataclass
-class ForwardPlan:
-    """Where one forward's tokens go and where every layer reads its K/V from; built once, used by all layers.
-
-    `slot_map[b, j]` is the slot of padded position `j` of row `b` (pads point at the row's first real token, which
-    the mask hides); `write_slots` are the slots of the new tokens that are stored, and `write_index` selects them
-    from the flattened `[batch * num_new]` new tokens (`None` when every new token is stored).
-    """
-
-    slot_map: torch.Tensor
-    write_slots: torch.Tensor
-    write_index: torch.Tensor | None
-    reads_tables: bool
-    layers_written: set[int] = field(default_factory=set)
-    last_layer: int | None = None
-    _on_device: dict = field(default_factory=dict)
-
-    def tensors_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        if device == self.slot_map.device:
-            return self.slot_map, self.write_slots, self.write_index
-        if device not in self._on_device:
-            moved = (self.slot_map.to(device), self.write_slots.to(device))
-            index = None if self.write_index is None else self.write_index.to(device)
-            self._on_device[device] = (*moved, index)
-        return self._on_device[device]
 
 
 def _free_tables(allocator: BlockAllocator, rows: list[BlockTable]) -> None:
@@ -142,7 +115,6 @@ class PagedCache(Cache):
         self._leading_pads: list[int] = []
         self._seq_length = 0
         self._plan: ForwardPlan | None = None
-        self._slot_map: torch.Tensor | None = None  # slot of every padded position, valid for the current rows
         self._pending: tuple[torch.Tensor | None, bool] | None = None
         self._released = False
         self._finalizer = weakref.finalize(self, _free_tables, self.pool.allocator, self._rows)
@@ -205,8 +177,7 @@ class PagedCache(Cache):
         layer_idx = plan.last_layer if layer_idx is None else layer_idx
         if layer_idx not in plan.layers_written:
             raise RuntimeError(f"layer {layer_idx} did not write its K/V in this forward")
-        device = self.pool.storage.device_of(layer_idx)
-        slot_map, _, _ = plan.tensors_on(device)
+        slot_map = plan.on(self.pool.storage.device_of(layer_idx)).slot_map
         return self.pool.storage.gather(layer_idx, slot_map)
 
     def reads_tables_in_attention(self) -> bool:
@@ -219,7 +190,8 @@ class PagedCache(Cache):
         plan.layers_written.add(layer_idx)
         plan.last_layer = layer_idx
         batch, num_heads, num_new, head_dim = key_states.shape
-        _, write_slots, write_index = plan.tensors_on(key_states.device)
+        local = plan.on(key_states.device)
+        write_slots, write_index = local.write_slots, local.write_index
         new_keys = key_states.transpose(1, 2).reshape(batch * num_new, num_heads, head_dim)
         new_values = value_states.transpose(1, 2).reshape(batch * num_new, num_heads, head_dim)
         if write_index is not None:
@@ -250,13 +222,19 @@ class PagedCache(Cache):
                 self._leading_pads[row] += added
             self._seq_length += num_new
             self.pool.storage.copy_blocks(copies)
-            device = key_states.device
-            extendable = self._slot_map is not None and self._slot_map.device == device and not copies
-            if extendable and not any(pads):
-                self._plan = self._extend_plan(device, num_new, reads_tables)
+            block_size, previous = self.pool.block_size, self._plan
+            if previous is not None and not created and not copies and not any(pads):
+                self._plan = extend_plan(previous, self._rows, block_size, num_new, reads_tables)
             else:
-                self._plan = self._build_plan(device, num_new, reads_tables)
-            self._slot_map = self._plan.slot_map
+                self._plan = plan_forward(
+                    self._rows,
+                    self._leading_pads,
+                    block_size,
+                    self._seq_length,
+                    num_new,
+                    key_states.device,
+                    reads_tables,
+                )
         return self._plan
 
     def _ensure_rows(self, batch: int) -> bool:
@@ -291,36 +269,6 @@ class PagedCache(Cache):
                 )
         return stores, pads
 
-    def _build_plan(self, device: torch.device, num_new: int, reads_tables: bool) -> ForwardPlan:
-        """Slot map of every padded position, computed from the block tables."""
-        block_size = self.pool.block_size
-        length = self._seq_length
-        num_cols = max(len(t.block_ids) for t in self._rows)
-        ids = [t.block_ids + [t.block_ids[0]] * (num_cols - len(t.block_ids)) for t in self._rows]
-        blocks = torch.tensor(ids, dtype=torch.long, device=device)
-        slots = (blocks[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)
-        pads = torch.tensor(self._leading_pads, dtype=torch.long, device=device)
-        logical = torch.arange(length, device=device)[None, :] - pads[:, None]
-        slot_map = slots.gather(1, logical.clamp(min=0))
-        new_slots = slot_map[:, length - num_new :]
-        if max(self._leading_pads) <= length - num_new:
-            return ForwardPlan(slot_map, new_slots.reshape(-1), None, reads_tables)
-        stored = (logical[:, length - num_new :] >= 0).reshape(-1)
-        return ForwardPlan(slot_map, new_slots.reshape(-1)[stored], stored.nonzero().squeeze(1), reads_tables)
-
-    def _extend_plan(self, device: torch.device, num_new: int, reads_tables: bool) -> ForwardPlan:
-        """The previous slot map plus the slots of this forward's tokens (no table changed but by appending)."""
-        block_size = self.pool.block_size
-        new = [
-            [
-                t.block_ids[p // block_size] * block_size + p % block_size
-                for p in range(t.num_tokens - num_new, t.num_tokens)
-            ]
-            for t in self._rows
-        ]
-        new_slots = torch.tensor(new, dtype=torch.long, device=device)
-        return ForwardPlan(torch.cat([self._slot_map, new_slots], dim=1), new_slots.reshape(-1), None, reads_tables)
-
     # ------------------------------------------------------------------ row operations used by generate
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i becomes a copy of row `beam_idx[i]` by sharing its blocks (no K/V is copied)."""
@@ -346,7 +294,7 @@ class PagedCache(Cache):
             self._free_rows()
             self._rows.extend(new_rows)
             self._leading_pads.extend(new_pads)
-        self._plan = self._slot_map = None
+        self._plan = None
 
     def crop(self, max_length: int) -> None:
         """Remove the last `-max_length` positions (a negative number, as in transformers); blocks that become
@@ -366,7 +314,7 @@ class PagedCache(Cache):
                 self._leading_pads[row] = min(self._leading_pads[row], new_length)
                 allocator.crop(table, new_length - self._leading_pads[row])
         self._seq_length = new_length
-        self._plan = self._slot_map = None
+        self._plan = None
 
     def activate_past_recording(self) -> None:
         """Nothing to do: every position stays in the pool until `crop` removes it."""
@@ -377,7 +325,7 @@ class PagedCache(Cache):
         with self.pool.allocator.lock:
             self._free_rows()
         self._seq_length = 0
-        self._plan = self._slot_map = None
+        self._plan = None
         self._pending = None
 
     def release(self) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .allocator import AllocatorStats, BlockAllocator
-from .config import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_FRACTION, PagedCacheConfig
+from .config import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_FRACTION, DEFAULT_MAX_BLOCKS, PagedCacheConfig
 from .storage import KVStorage
 
 logger = logging.getLogger(__name__)
@@ -128,6 +128,8 @@ def _size_pool(model: torch.nn.Module, config: PagedCacheConfig) -> tuple[int, i
         budget, source = config.max_memory, f"max_memory={config.max_memory}"
     else:
         budget, source = _default_budget(model, config)
+        num_blocks = _num_blocks_for_budget(kv_shape, block_size, budget, source)
+        return min(num_blocks, DEFAULT_MAX_BLOCKS), block_size, kv_shape
     return _num_blocks_for_budget(kv_shape, block_size, budget, source), block_size, kv_shape
 
 
@@ -142,7 +144,8 @@ def get_pool(model: torch.nn.Module, **cache_config) -> BlockPool:
     """The model's global `BlockPool`, created on first use.
 
     Sizing, in order: `num_blocks`; `max_memory` (bytes or `"512MiB"`); else, on CUDA, `memory_fraction` (0.9) of
-    the device's free memory after the weights, and on CPU a fixed budget of 256 MiB. Asking again with a different
+    the device's free memory after the weights, and on CPU a fixed budget of 1 GiB (the default sizing takes at
+    most 65,536 blocks; memory pages are touched only as blocks are first used). Asking again with a different
     `block_size`, `num_blocks` or `max_memory` rebuilds the pool when none of its blocks is in use and raises
     `ValueError` otherwise.
 

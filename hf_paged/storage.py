@@ -54,6 +54,8 @@ class KVStorage:
             with self._lock:
                 if layer_idx not in self.keys:
                     shape = (self.num_blocks, self.block_size, num_heads, head_dim)
+                    # empty, not zeros: pages are touched only as blocks are used, and reads only ever name slots
+                    # that were written (pad positions name the row's first real slot)
                     self.keys[layer_idx] = torch.empty(shape, dtype=like.dtype, device=like.device)
                     self.values[layer_idx] = torch.empty(shape, dtype=like.dtype, device=like.device)
             return

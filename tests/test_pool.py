@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_paged import KVShape, PagedCache, PagedCacheConfig, get_pool, parse_memory, release_pool
-from hf_paged.config import DEFAULT_CPU_KV_BYTES
+from hf_paged.config import DEFAULT_CPU_KV_BYTES, DEFAULT_MAX_BLOCKS
 from hf_paged.reference_models import tiny_model
 
 
@@ -36,7 +36,9 @@ def test_pool_sized_by_max_memory(model):
 
 def test_default_cpu_budget(model):
     pool = get_pool(model)
-    assert pool.num_blocks == DEFAULT_CPU_KV_BYTES // (512 * 16) and pool.block_size == 16
+    assert pool.num_blocks == min(DEFAULT_CPU_KV_BYTES // (512 * 16), DEFAULT_MAX_BLOCKS) and pool.block_size == 16
+    smollm2_shaped = KVShape(30, 3, 64, torch.float32)
+    assert DEFAULT_CPU_KV_BYTES // (smollm2_shaped.bytes_per_token * 16) == 1456  # 23k tokens of SmolLM2 KV
 
 
 def test_idle_pool_is_rebuilt_for_new_options_but_busy_pool_is_not(model):

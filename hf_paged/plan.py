@@ -1,0 +1,78 @@
+"""Per-forward addressing: which slots a forward's new tokens go to, and where each layer reads its K/V from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .allocator import BlockTable
+
+
+@dataclass
+class ForwardPlan:
+    """Where one forward's tokens go and where every layer reads its K/V from; built once, used by all layers.
+
+    `slot_map[b, j]` is the slot (`block_id * block_size + offset`) of padded position `j` of row `b`; left-pad
+    positions name the row's first slot, which the attention mask hides. `write_slots` are the slots of the new tokens
+    that are stored; `write_index` selects them from the flattened `[batch * num_new]` new tokens (`None` when every
+    new token is stored).
+    """
+
+    slot_map: torch.Tensor
+    write_slots: torch.Tensor
+    write_index: torch.Tensor | None
+    reads_tables: bool
+    layers_written: set[int] = field(default_factory=set)
+    last_layer: int | None = None
+    _moved: dict = field(default_factory=dict)
+
+    def on(self, device: torch.device) -> ForwardPlan:
+        """This plan with its index tensors on `device` (for models whose layers sit on several devices)."""
+        if device == self.slot_map.device:
+            return self
+        if device not in self._moved:
+            index = None if self.write_index is None else self.write_index.to(device)
+            self._moved[device] = ForwardPlan(
+                self.slot_map.to(device), self.write_slots.to(device), index, self.reads_tables
+            )
+        return self._moved[device]
+
+
+def plan_forward(
+    rows: list[BlockTable],
+    leading_pads: list[int],
+    block_size: int,
+    length: int,
+    num_new: int,
+    device: torch.device,
+    reads_tables: bool,
+) -> ForwardPlan:
+    """Addressing, computed from the block tables, for a forward whose stored tokens were just appended to `rows`
+    (padded length now `length`)."""
+    num_cols = max(len(t.block_ids) for t in rows)
+    blocks = torch.tensor(
+        [t.block_ids + [t.block_ids[0]] * (num_cols - len(t.block_ids)) for t in rows], dtype=torch.long, device=device
+    )
+    pads = torch.tensor(leading_pads, dtype=torch.long, device=device)
+    logical = torch.arange(length, device=device)[None, :] - pads[:, None]
+    slot_map = blocks.gather(1, logical.clamp(min=0) // block_size) * block_size + logical.clamp(min=0) % block_size
+    write_slots = slot_map[:, length - num_new :].reshape(-1)
+    if max(leading_pads) <= length - num_new:
+        return ForwardPlan(slot_map, write_slots, None, reads_tables)
+    stored = (logical[:, length - num_new :] >= 0).reshape(-1)  # some new tokens are pads, which are not stored
+    return ForwardPlan(slot_map, write_slots[stored], stored.nonzero().squeeze(1), reads_tables)
+
+
+def extend_plan(previous: ForwardPlan, rows: list[BlockTable], block_size: int, num_new: int, reads_tables: bool):
+    """The previous plan's slot map plus this forward's `num_new` tokens per row, valid when the tables changed only
+    by appending (no reorder, crop or copy-on-write since `previous`) and every new token is stored."""
+    new = [
+        [
+            t.block_ids[p // block_size] * block_size + p % block_size
+            for p in range(t.num_tokens - num_new, t.num_tokens)
+        ]
+        for t in rows
+    ]
+    new_slots = torch.tensor(new, dtype=torch.long, device=previous.slot_map.device)
+    return ForwardPlan(torch.cat([previous.slot_map, new_slots], dim=1), new_slots.reshape(-1), None, reads_tables)
