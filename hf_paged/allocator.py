@@ -120,6 +120,7 @@ class BlockAllocator:
         self._table_ids = itertools.count()
         self._peak_used = 0
         self._cow_copies = 0
+        self.copy_on_write = True  # test-only switch: False writes into shared blocks (to prove tests catch it)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -160,7 +161,7 @@ class BlockAllocator:
                 if num_new_tokens == 0:
                     continue
                 room = len(table.block_ids) * self.block_size - table.num_tokens
-                if room > 0:
+                if room > 0 and self.copy_on_write:
                     writers[table.block_ids[-1]] = writers.get(table.block_ids[-1], 0) + 1
                 total += _num_blocks_for(max(0, num_new_tokens - room), self.block_size)
             return total + sum(min(k, self._ref_counts[b] - 1) for b, k in writers.items())
@@ -210,7 +211,7 @@ class BlockAllocator:
 
     def _append_checked(self, table: BlockTable, num_new_tokens: int, copies: list[BlockCopy]) -> None:
         room = len(table.block_ids) * self.block_size - table.num_tokens
-        if room > 0 and self._ref_counts[table.block_ids[-1]] > 1:
+        if room > 0 and self.copy_on_write and self._ref_counts[table.block_ids[-1]] > 1:
             src = table.block_ids[-1]
             dst = self._take_free_block()
             self._ref_counts[src] -= 1
@@ -223,7 +224,7 @@ class BlockAllocator:
             table.block_ids.append(self._take_free_block())
         for index in range(first_written, len(table.block_ids)):
             block_id = table.block_ids[index]
-            if self._ref_counts[block_id] != 1:
+            if self._ref_counts[block_id] != 1 and self.copy_on_write:
                 raise InvariantError(
                     f"invariant 5: about to write into block {block_id} with refcount {self._ref_counts[block_id]}"
                 )

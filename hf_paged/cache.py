@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -11,6 +12,39 @@ from .allocator import BlockAllocator, BlockTable
 from .config import PagedCacheConfig
 from .plan import ForwardPlan, extend_plan, plan_forward
 from .pool import BlockPool, get_pool
+
+
+@dataclass(frozen=True)
+class ForwardInputs:
+    """What the forward pre-hook tells the cache about the coming forward."""
+
+    attention_mask: torch.Tensor | None = None
+    input_ids: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
+    reads_tables: bool = False
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """One cache's use of the pool. Shared blocks count once.
+
+    Attributes:
+        num_rows (`int`): rows (sequences) in the cache.
+        seq_length (`int`): padded length of every row.
+        num_blocks (`int`): distinct blocks the rows hold now.
+        peak_blocks (`int`): most distinct blocks held at once since the cache was created.
+        tokens_stored (`int`): tokens in those blocks (a block shared by 4 rows counts its tokens once).
+        cow_copies (`int`): blocks copied because a row wrote into a shared block.
+        block_size (`int`): tokens per block.
+    """
+
+    num_rows: int
+    seq_length: int
+    num_blocks: int
+    peak_blocks: int
+    tokens_stored: int
+    cow_copies: int
+    block_size: int
 
 
 def _free_tables(allocator: BlockAllocator, rows: list[BlockTable]) -> None:
@@ -26,17 +60,19 @@ class PagedLayer(CacheLayerMixin):
     """One decoder layer's view of a `PagedCache`: writes this layer's new K/V into the planned slots.
 
     Every row's block table covers all layers (a block holds K and V of its tokens for every layer), so the token
-    bookkeeping lives in `PagedCache`; a layer only moves tensors.
+    bookkeeping lives in `PagedCache`; a layer only moves tensors. A sliding-window layer attends to the last
+    `sliding_window - 1` cached positions plus the new ones, exactly as transformers' `DynamicSlidingWindowLayer`.
     """
 
     is_croppable = True
     supports_early_init = False
 
-    def __init__(self, cache: PagedCache, layer_idx: int, is_sliding: bool = False):
+    def __init__(self, cache: PagedCache, layer_idx: int, sliding_window: int | None = None):
         super().__init__()
         self._cache = weakref.proxy(cache)
         self.layer_idx = layer_idx
-        self.is_sliding = is_sliding
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self._cache.pool.storage.ensure_layer(self.layer_idx, key_states.transpose(1, 2))
@@ -48,8 +84,16 @@ class PagedLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         return self._cache._write_layer(self.layer_idx, key_states, value_states)
 
+    def first_visible(self, past_length: int) -> int:
+        """First padded position this layer attends to when `past_length` positions are cached."""
+        if self.sliding_window is None:
+            return 0
+        return max(past_length - self.sliding_window + 1, 0)
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._cache.get_seq_length() + query_length, 0
+        past_length = self._cache.get_seq_length()
+        offset = self.first_visible(past_length)
+        return past_length - offset + query_length, offset
 
     def get_seq_length(self) -> int:
         return self._cache.get_seq_length()
@@ -59,6 +103,21 @@ class PagedLayer(CacheLayerMixin):
 
     def reset(self) -> None:  # token bookkeeping is cache-wide; see PagedCache.reset
         pass
+
+
+def _layer_windows(model: torch.nn.Module, text_config) -> list[int | None]:
+    """The sliding window of each decoder layer (`None` for full attention); other layer kinds are refused."""
+    num_layers = text_config.num_hidden_layers
+    window = getattr(text_config, "sliding_window", None)
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is None:
+        layer_types = ["sliding_attention" if window is not None else "full_attention"] * num_layers
+    unsupported = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    if unsupported:
+        raise NotImplementedError(
+            f"{type(model).__name__} has {unsupported} layers; PagedCache serves full and sliding-window attention"
+        )
+    return [window if layer_type == "sliding_attention" else None for layer_type in layer_types]
 
 
 class PagedCache(Cache):
@@ -103,11 +162,7 @@ class PagedCache(Cache):
                 f"{type(model).__name__} is an encoder-decoder model; PagedCache serves decoder-only models"
             )
         self.pool: BlockPool = get_pool(model, config=self.cache_config)
-        layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * text_config.num_hidden_layers
-        layers = [
-            PagedLayer(self, i, is_sliding=layer_type == "sliding_attention")
-            for i, layer_type in enumerate(layer_types)
-        ]
+        layers = [PagedLayer(self, i, window) for i, window in enumerate(_layer_windows(model, text_config))]
         super().__init__(layers=layers)
         self._model_ref = weakref.ref(model)
         self._model_name = type(model).__name__
@@ -115,7 +170,9 @@ class PagedCache(Cache):
         self._leading_pads: list[int] = []
         self._seq_length = 0
         self._plan: ForwardPlan | None = None
-        self._pending: tuple[torch.Tensor | None, bool] | None = None
+        self._pending: ForwardInputs | None = None
+        self._cow_copies = 0
+        self._peak_blocks = 0
         self._released = False
         self._finalizer = weakref.finalize(self, _free_tables, self.pool.allocator, self._rows)
         attach_to_model(model)
@@ -139,12 +196,33 @@ class PagedCache(Cache):
     def is_released(self) -> bool:
         return self._released
 
+    def stats(self) -> CacheStats:
+        """This cache's use of the pool (see `CacheStats`)."""
+        block_size = self.pool.block_size
+        held: dict[int, int] = {}
+        for table in self._rows:
+            for index, block_id in enumerate(table.block_ids):
+                tokens = min(block_size, table.num_tokens - index * block_size)
+                held[block_id] = max(held.get(block_id, 0), tokens)
+        return CacheStats(
+            num_rows=len(self._rows),
+            seq_length=self._seq_length,
+            num_blocks=len(held),
+            peak_blocks=self._peak_blocks,
+            tokens_stored=sum(held.values()),
+            cow_copies=self._cow_copies,
+            block_size=block_size,
+        )
+
+    def _distinct_blocks(self) -> set[int]:
+        return {block_id for table in self._rows for block_id in table.block_ids}
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The padded length, equal for every row."""
         return self._seq_length
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self._seq_length + query_length, 0
+        return self.layers[layer_idx].get_mask_sizes(query_length)
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
@@ -158,8 +236,8 @@ class PagedCache(Cache):
         return True
 
     # ------------------------------------------------------------------ forward protocol
-    def bind_forward(self, model: torch.nn.Module, attention_mask: torch.Tensor | None, reads_tables: bool) -> None:
-        """Called before each forward of `model` (by the forward pre-hook hf_paged installs) with its 2D mask."""
+    def bind_forward(self, model: torch.nn.Module, inputs: ForwardInputs) -> None:
+        """Called before each forward of `model` (by the forward pre-hook hf_paged installs) with its inputs."""
         self._check_open()
         owner = self._model_ref()
         if owner is not model:
@@ -167,7 +245,7 @@ class PagedCache(Cache):
                 f"this PagedCache was built for a {self._model_name} (id {id(owner):#x}) and cannot be used with a "
                 f"{type(model).__name__} (id {id(model):#x}); build one PagedCache per model"
             )
-        self._pending = (attention_mask, reads_tables)
+        self._pending = inputs
 
     def read_layer(self, layer_idx: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of `layer_idx` for every padded position, gathered through the block tables: `[B, H, L, D]`."""
@@ -178,7 +256,8 @@ class PagedCache(Cache):
         if layer_idx not in plan.layers_written:
             raise RuntimeError(f"layer {layer_idx} did not write its K/V in this forward")
         slot_map = plan.on(self.pool.storage.device_of(layer_idx)).slot_map
-        return self.pool.storage.gather(layer_idx, slot_map)
+        first = self.layers[layer_idx].first_visible(self._seq_length - plan.num_new)
+        return self.pool.storage.gather(layer_idx, slot_map[:, first:] if first else slot_map)
 
     def reads_tables_in_attention(self) -> bool:
         return self._plan is not None and self._plan.reads_tables
@@ -204,27 +283,37 @@ class PagedCache(Cache):
     def _plan_forward(self, key_states: torch.Tensor) -> ForwardPlan:
         self._check_open()
         batch, num_new = key_states.shape[0], key_states.shape[-2]
-        attention_mask, reads_tables = self._pending or (None, False)
+        inputs = self._pending or ForwardInputs()
         self._pending = None
         allocator = self.pool.allocator
         with allocator.lock:
+            free_before = allocator.num_free
             created = self._ensure_rows(batch)
             try:
-                stores, pads = self._tokens_to_store(attention_mask, batch, num_new)
-                copies = allocator.append_all(
-                    list(zip(self._rows, stores)), what=f"a forward of {batch} row(s) x {num_new} token(s)"
-                )
+                stores, pads = self._tokens_to_store(inputs.attention_mask, batch, num_new)
+                leaders = _duplicate_row_leaders(inputs, batch, num_new) if created else None
+                writers = None if leaders is None else [leader == row for row, leader in enumerate(leaders)]
+                requests = [(t, n) for row, (t, n) in enumerate(zip(self._rows, stores)) if not writers or writers[row]]
+                copies = allocator.append_all(requests, what=f"a forward of {batch} row(s) x {num_new} token(s)")
             except BaseException:
                 if created:
                     self._free_rows()
                 raise
             for row, added in enumerate(pads):
                 self._leading_pads[row] += added
+            if leaders is not None:  # identical prompts: one copy of the blocks, shared by refcount
+                for row, leader in enumerate(leaders):
+                    if leader != row:
+                        allocator.free(self._rows[row])
+                        self._rows[row] = allocator.fork(self._rows[leader])
             self._seq_length += num_new
             self.pool.storage.copy_blocks(copies)
+            self._cow_copies += len(copies)
+            if allocator.num_free != free_before:
+                self._peak_blocks = max(self._peak_blocks, len(self._distinct_blocks()))
             block_size, previous = self.pool.block_size, self._plan
             if previous is not None and not created and not copies and not any(pads):
-                self._plan = extend_plan(previous, self._rows, block_size, num_new, reads_tables)
+                self._plan = extend_plan(previous, self._rows, block_size, num_new, inputs.reads_tables)
             else:
                 self._plan = plan_forward(
                     self._rows,
@@ -233,7 +322,8 @@ class PagedCache(Cache):
                     self._seq_length,
                     num_new,
                     key_states.device,
-                    reads_tables,
+                    inputs.reads_tables,
+                    writers,
                 )
         return self._plan
 
@@ -329,7 +419,10 @@ class PagedCache(Cache):
         self._pending = None
 
     def release(self) -> None:
-        """Return every block to the pool for good; using the cache afterwards raises."""
+        """Return every block to the pool for good; using the cache afterwards raises. The cache's final `stats()`
+        stay readable as `pool.last_cache_stats`."""
+        self._check_open()
+        self.pool.last_cache_stats = self.stats()
         self.reset()
         self._released = True
         self._finalizer.detach()
@@ -347,3 +440,22 @@ class PagedCache(Cache):
             f"PagedCache(rows={len(self._rows)}, seq_length={self._seq_length}, "
             f"block_size={self.pool.block_size}, blocks={sum(len(t.block_ids) for t in self._rows)})"
         )
+
+
+def _duplicate_row_leaders(inputs: ForwardInputs, batch: int, num_new: int) -> list[int] | None:
+    """For each row, the first row with the same new tokens, mask and positions; `None` when all rows differ or the
+    inputs are unknown (e.g. `inputs_embeds`). `generate` repeats every prompt `num_beams` / `num_return_sequences`
+    times before prefill: those rows then share one copy of the prompt's blocks."""
+    input_ids = inputs.input_ids
+    if batch < 2 or input_ids is None or input_ids.dim() != 2 or input_ids.shape != (batch, num_new):
+        return None
+    parts = [input_ids]
+    for extra in (inputs.attention_mask, inputs.position_ids):
+        if extra is not None and extra.dim() == 2 and extra.shape[0] == batch:
+            parts.append(extra[:, -num_new:].to(input_ids.device, input_ids.dtype))
+    keys = torch.cat(parts, dim=1)
+    _, group = torch.unique(keys, dim=0, return_inverse=True)
+    first = torch.full((int(group.max()) + 1,), batch, dtype=torch.long, device=group.device)
+    first.scatter_reduce_(0, group, torch.arange(batch, device=group.device), reduce="amin")
+    leaders = first[group].tolist()
+    return None if leaders == list(range(batch)) else leaders

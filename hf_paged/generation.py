@@ -28,7 +28,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils import ModelOutput
 
 from .attention import ATTENTION_NAME, paged_attention_forward
-from .cache import PagedCache
+from .cache import ForwardInputs, PagedCache
 from .config import PagedCacheConfig
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,13 @@ def _before_forward(module: torch.nn.Module, args: tuple, kwargs: dict):
     if not isinstance(cache, PagedCache):
         return None
     reads_tables = module.config._attn_implementation == ATTENTION_NAME and _forward_takes_kwargs(type(module))
-    cache.bind_forward(module, kwargs.get("attention_mask"), reads_tables)
+    inputs = ForwardInputs(
+        attention_mask=kwargs.get("attention_mask"),
+        input_ids=kwargs.get("input_ids"),
+        position_ids=kwargs.get("position_ids"),
+        reads_tables=reads_tables,
+    )
+    cache.bind_forward(module, inputs)
     if not reads_tables:
         return None
     kwargs["paged_cache"] = cache

@@ -23,6 +23,7 @@ class ForwardPlan:
     write_slots: torch.Tensor
     write_index: torch.Tensor | None
     reads_tables: bool
+    num_new: int
     layers_written: set[int] = field(default_factory=set)
     last_layer: int | None = None
     _moved: dict = field(default_factory=dict)
@@ -34,7 +35,7 @@ class ForwardPlan:
         if device not in self._moved:
             index = None if self.write_index is None else self.write_index.to(device)
             self._moved[device] = ForwardPlan(
-                self.slot_map.to(device), self.write_slots.to(device), index, self.reads_tables
+                self.slot_map.to(device), self.write_slots.to(device), index, self.reads_tables, self.num_new
             )
         return self._moved[device]
 
@@ -47,9 +48,11 @@ def plan_forward(
     num_new: int,
     device: torch.device,
     reads_tables: bool,
+    writers: list[bool] | None = None,
 ) -> ForwardPlan:
     """Addressing, computed from the block tables, for a forward whose stored tokens were just appended to `rows`
-    (padded length now `length`)."""
+    (padded length now `length`). Rows whose `writers` entry is False share the blocks of another row that writes
+    the same tokens (duplicate prompts), so their new tokens are not written again."""
     num_cols = max(len(t.block_ids) for t in rows)
     blocks = torch.tensor(
         [t.block_ids + [t.block_ids[0]] * (num_cols - len(t.block_ids)) for t in rows], dtype=torch.long, device=device
@@ -58,10 +61,13 @@ def plan_forward(
     logical = torch.arange(length, device=device)[None, :] - pads[:, None]
     slot_map = blocks.gather(1, logical.clamp(min=0) // block_size) * block_size + logical.clamp(min=0) % block_size
     write_slots = slot_map[:, length - num_new :].reshape(-1)
-    if max(leading_pads) <= length - num_new:
-        return ForwardPlan(slot_map, write_slots, None, reads_tables)
-    stored = (logical[:, length - num_new :] >= 0).reshape(-1)  # some new tokens are pads, which are not stored
-    return ForwardPlan(slot_map, write_slots[stored], stored.nonzero().squeeze(1), reads_tables)
+    if max(leading_pads) <= length - num_new and writers is None:
+        return ForwardPlan(slot_map, write_slots, None, reads_tables, num_new)
+    stored = logical[:, length - num_new :] >= 0  # pads are not stored
+    if writers is not None:
+        stored &= torch.tensor(writers, device=device)[:, None]
+    stored = stored.reshape(-1)
+    return ForwardPlan(slot_map, write_slots[stored], stored.nonzero().squeeze(1), reads_tables, num_new)
 
 
 def extend_plan(previous: ForwardPlan, rows: list[BlockTable], block_size: int, num_new: int, reads_tables: bool):
@@ -75,4 +81,5 @@ def extend_plan(previous: ForwardPlan, rows: list[BlockTable], block_size: int, 
         for t in rows
     ]
     new_slots = torch.tensor(new, dtype=torch.long, device=previous.slot_map.device)
-    return ForwardPlan(torch.cat([previous.slot_map, new_slots], dim=1), new_slots.reshape(-1), None, reads_tables)
+    slot_map = torch.cat([previous.slot_map, new_slots], dim=1)
+    return ForwardPlan(slot_map, new_slots.reshape(-1), None, reads_tables, num_new)

@@ -68,6 +68,7 @@ class BlockPool:
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.storage = KVStorage(num_blocks, block_size)
         self.kv_shape = kv_shape
+        self.last_cache_stats = None  # CacheStats of the most recently released PagedCache
 
     @property
     def num_blocks(self) -> int:

@@ -33,6 +33,17 @@ TINY_FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {  # alternating sliding-window / full layers, logit soft-capping
+            "head_dim": 16,
+            "sliding_window": 6,
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 30.0,
+            "query_pre_attn_scalar": 16,
+        },
+    ),
 }
 
 
