@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from .errors import InvariantError, PoolExhaustedError
@@ -56,7 +56,10 @@ class AllocatorStats:
     """A snapshot of the allocator's accounting.
 
     `tokens_stored` counts each physical block once (a block shared by four tables holds its tokens once), and
-    `waste_fraction = (slots_allocated - tokens_stored) / slots_allocated` (0 when nothing is allocated).
+    `waste_fraction = (slots_allocated - tokens_stored) / slots_allocated` (0 when nothing is allocated). Prefix
+    cache: `num_cached` full blocks are indexed by content hash (in use or not), `num_evictable` of them are held by
+    no table (they count as free), `prefix_queries` lookups found `prefix_hits` tokens, and `evictions` cached blocks
+    were reused for other content.
     """
 
     num_blocks: int
@@ -69,6 +72,11 @@ class AllocatorStats:
     waste_fraction: float
     cow_copies: int
     num_tables: int
+    num_cached: int = 0
+    num_evictable: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    evictions: int = 0
 
 
 class BlockAllocator:
@@ -121,21 +129,36 @@ class BlockAllocator:
         self._peak_used = 0
         self._cow_copies = 0
         self.copy_on_write = True  # test-only switch: False writes into shared blocks (to prove tests catch it)
+        # prefix cache: content hash <-> full block, and blocks no table holds that keep their content (LRU first)
+        self._hash_to_block: dict[bytes, int] = {}
+        self._block_hash: dict[int, bytes] = {}
+        self._block_tokens: dict[int, tuple[int, ...]] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+        self._evictions = 0
 
     # ------------------------------------------------------------------ queries
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks that can be handed out: plain free ones, then cached ones no table holds (evicted LRU first)."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
 
     @property
     def free_block_ids(self) -> list[int]:
-        """Free block ids in the order they will be handed out."""
+        """Free block ids in the order they will be handed out (plain free blocks, then evictable cached ones)."""
         with self.lock:
-            return list(self._free)
+            return list(self._free) + list(self._evictable)
+
+    @property
+    def evictable_block_ids(self) -> list[int]:
+        """Cached blocks no table holds, least recently used first (the next to be evicted)."""
+        with self.lock:
+            return list(self._evictable)
 
     def ref_count(self, block_id: int) -> int:
         self._check_block_id(block_id)
@@ -167,7 +190,7 @@ class BlockAllocator:
             return total + sum(min(k, self._ref_counts[b] - 1) for b, k in writers.items())
 
     def can_append(self, table: BlockTable, num_new_tokens: int) -> bool:
-        return self.num_blocks_needed(table, num_new_tokens) <= len(self._free)
+        return self.num_blocks_needed(table, num_new_tokens) <= self.num_free
 
     # ------------------------------------------------------------------ table lifecycle
     def new_table(self) -> BlockTable:
@@ -199,9 +222,9 @@ class BlockAllocator:
         """
         with self.lock:
             needed = self.num_blocks_needed_for(requests)
-            if needed > len(self._free):
+            if needed > self.num_free:
                 what = what or f"appending {sum(count for _, count in requests)} token(s)"
-                raise PoolExhaustedError(needed, len(self._free), what=what)
+                raise PoolExhaustedError(needed, self.num_free, what=what)
             copies = []
             for table, num_new_tokens in requests:
                 if num_new_tokens:
@@ -218,6 +241,8 @@ class BlockAllocator:
             table.block_ids[-1] = dst
             copies.append(BlockCopy(src, dst))
             self._cow_copies += 1
+        elif room > 0 and table.block_ids[-1] in self._block_hash:  # a cropped cached block is written again
+            self._unhash(table.block_ids[-1])
         first_written = table.num_tokens // self.block_size
         total = table.num_tokens + num_new_tokens
         while len(table.block_ids) < _num_blocks_for(total, self.block_size):
@@ -269,6 +294,87 @@ class BlockAllocator:
         with self.lock:
             self._peak_used = self.num_used
 
+    # ------------------------------------------------------------------ prefix cache
+    def cache_block(self, block_id: int, block_hash: bytes, tokens: tuple[int, ...]) -> int:
+        """Index the full, written block `block_id` under `block_hash` (its tokens are kept to verify hits).
+
+        Returns the block that holds this content: `block_id`, or an already cached block with the same hash and
+        the same tokens (the caller may share that one instead). A hash already naming other tokens (a collision)
+        leaves `block_id` uncached.
+        """
+        with self.lock:
+            self._check_block_id(block_id)
+            if self._ref_counts[block_id] < 1 or self._fill[block_id] != self.block_size:
+                raise ValueError(f"only a full, used block can be cached; block {block_id} is not")
+            if len(tokens) != self.block_size:
+                raise ValueError(f"a cached block holds {self.block_size} tokens, got {len(tokens)}")
+            existing = self._hash_to_block.get(block_hash)
+            if existing is not None:
+                return existing if self._block_tokens[existing] == tuple(tokens) else block_id
+            if block_id in self._block_hash:  # already cached under another hash (other prefix, same block)
+                return block_id
+            self._hash_to_block[block_hash] = block_id
+            self._block_hash[block_id] = block_hash
+            self._block_tokens[block_id] = tuple(tokens)
+            return block_id
+
+    def lookup_prefix(self, chain: list[tuple[bytes, tuple[int, ...]]]) -> list[int]:
+        """The cached blocks holding the longest prefix of `chain` (`(block hash, block tokens)` per full block),
+        verified token by token; one query in `stats()`."""
+        with self.lock:
+            found = []
+            for block_hash, tokens in chain:
+                block_id = self._hash_to_block.get(block_hash)
+                if block_id is None or self._block_tokens[block_id] != tuple(tokens):
+                    break
+                found.append(block_id)
+            self._prefix_queries += 1
+            self._prefix_hits += len(found) * self.block_size
+            return found
+
+    def share_cached(self, table: BlockTable, block_ids: list[int]) -> None:
+        """Append cached full blocks to `table` (which must end on a block boundary), taking a reference to each."""
+        with self.lock:
+            self._check_live(table)
+            if table.num_tokens % self.block_size:
+                raise ValueError(f"{table!r} does not end on a block boundary")
+            for block_id in block_ids:
+                if block_id not in self._block_hash:
+                    raise ValueError(f"block {block_id} is not a cached block")
+                self._acquire_cached(block_id)
+                table.block_ids.append(block_id)
+                table.num_tokens += self.block_size
+            self._peak_used = max(self._peak_used, self.num_used)
+
+    def replace_block(self, table: BlockTable, index: int, block_id: int) -> None:
+        """Let `table` use the cached block `block_id` (same content) instead of its full block at `index`."""
+        with self.lock:
+            self._check_live(table)
+            old = table.block_ids[index]
+            if old == block_id:
+                return
+            if block_id not in self._block_hash or self._fill[old] != self.block_size:
+                raise ValueError(f"block {old} can only be replaced by a cached block holding the same full content")
+            self._acquire_cached(block_id)
+            table.block_ids[index] = block_id
+            self._release_blocks([old])
+
+    def block_hash(self, block_id: int) -> bytes | None:
+        return self._block_hash.get(block_id)
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached content (e.g. after the model's weights changed); evictable blocks become free."""
+        with self.lock:
+            for block_id in list(self._block_hash):
+                self._unhash(block_id)
+            self._free.extend(self._evictable)
+            self._evictable.clear()
+
+    def _acquire_cached(self, block_id: int) -> None:
+        if self._ref_counts[block_id] == 0:
+            del self._evictable[block_id]
+        self._ref_counts[block_id] += 1
+
     # ------------------------------------------------------------------ accounting
     def stats(self) -> AllocatorStats:
         with self.lock:
@@ -290,6 +396,11 @@ class BlockAllocator:
                 waste_fraction=(slots - tokens) / slots if slots else 0.0,
                 cow_copies=self._cow_copies,
                 num_tables=len(self._tables),
+                num_cached=len(self._hash_to_block),
+                num_evictable=len(self._evictable),
+                prefix_queries=self._prefix_queries,
+                prefix_hits=self._prefix_hits,
+                evictions=self._evictions,
             )
 
     def check_invariants(self) -> None:
@@ -297,18 +408,20 @@ class BlockAllocator:
 
         1. every block is either free (refcount 0) or used (refcount > 0), never both;
         2. a block's refcount equals the number of live block-table entries naming it;
-        3. the free queue has no duplicates, and free + used = total;
-        4. (prefix hashes: no prefix index is kept by this allocator, so there is nothing to check);
+        3. the free queue has no duplicates, and free + used = total (evictable cached blocks count as free);
+        4. a prefix hash maps to exactly one full block and back; plain free blocks carry no hash (a block's hash is
+           cleared when the block is reused), and evictable blocks all carry one;
         5. writes go only to blocks with refcount 1 (`append` copies a shared block first and checks this before
            every write), so no table claims a slot that was never written: its tokens in a block <= the block's fill;
         6. a table of n tokens has ceil(n / block_size) blocks;
-        7. with no live tables, every block is free.
+        7. with no live tables, every block is free (evictable cached blocks count as free).
         """
         with self.lock:
-            free = list(self._free)
+            free = list(self._free) + list(self._evictable)
             free_set = set(free)
             if len(free_set) != len(free):
                 raise InvariantError(f"invariant 3: free queue has duplicates: {sorted(free)}")
+            self._check_prefix_index()
             expected = [0] * self.num_blocks
             for table in self._tables.values():
                 want = _num_blocks_for(table.num_tokens, self.block_size)
@@ -341,18 +454,48 @@ class BlockAllocator:
             if not self._tables and len(free) != self.num_blocks:
                 raise InvariantError(f"invariant 7: no live tables but {self.num_blocks - len(free)} blocks used")
 
+    def _check_prefix_index(self) -> None:
+        if len(self._hash_to_block) != len(self._block_hash) or any(
+            self._block_hash.get(b) != h for h, b in self._hash_to_block.items()
+        ):
+            raise InvariantError("invariant 4: the hash -> block and block -> hash maps disagree")
+        for block_id in self._block_hash:
+            if self._fill[block_id] != self.block_size or len(self._block_tokens[block_id]) != self.block_size:
+                raise InvariantError(f"invariant 4: cached block {block_id} is not a full block")
+        hashed_free = [b for b in self._free if b in self._block_hash]
+        if hashed_free:
+            raise InvariantError(f"invariant 4: free blocks {hashed_free[:5]} still carry a prefix hash")
+        unhashed = [b for b in self._evictable if b not in self._block_hash]
+        if unhashed:
+            raise InvariantError(f"invariant 4: evictable blocks {unhashed[:5]} carry no prefix hash")
+
     # ------------------------------------------------------------------ internals
     def _take_free_block(self) -> int:
-        block_id = self._free.popleft()
+        if self._free:
+            block_id = self._free.popleft()
+        else:
+            block_id, _ = self._evictable.popitem(last=False)
+            self._unhash(block_id)
+            self._evictions += 1
         self._ref_counts[block_id] = 1
         self._fill[block_id] = 0
         return block_id
 
     def _release_blocks(self, block_ids: list[int]) -> None:
+        """Blocks whose refcount reaches 0 join the back of the free queue, or, when they hold cached content, the
+        evictable list, tail of the table first (so a chain is evicted from its tail before its head)."""
         for block_id in block_ids:
             self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] == 0:
+            if self._ref_counts[block_id] == 0 and block_id not in self._block_hash:
                 self._free.append(block_id)
+        for block_id in reversed(block_ids):
+            if self._ref_counts[block_id] == 0 and block_id in self._block_hash:
+                self._evictable[block_id] = None
+
+    def _unhash(self, block_id: int) -> None:
+        block_hash = self._block_hash.pop(block_id)
+        del self._hash_to_block[block_hash]
+        del self._block_tokens[block_id]
 
     def _check_block_id(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:

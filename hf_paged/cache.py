@@ -2,26 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import weakref
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
-from .allocator import BlockAllocator, BlockTable
+from .allocator import BlockAllocator
 from .config import PagedCacheConfig
-from .plan import ForwardPlan, extend_plan, plan_forward
+from .layer import PagedLayer, layer_windows
+from .plan import ForwardInputs, ForwardPlan, duplicate_row_leaders, extend_plan, plan_forward
 from .pool import BlockPool, get_pool
+from .prefix import chain, prefix_namespace, root_hash
+from .rows import Row
 
-
-@dataclass(frozen=True)
-class ForwardInputs:
-    """What the forward pre-hook tells the cache about the coming forward."""
-
-    attention_mask: torch.Tensor | None = None
-    input_ids: torch.Tensor | None = None
-    position_ids: torch.Tensor | None = None
-    reads_tables: bool = False
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -35,6 +31,7 @@ class CacheStats:
         peak_blocks (`int`): most distinct blocks held at once since the cache was created.
         tokens_stored (`int`): tokens in those blocks (a block shared by 4 rows counts its tokens once).
         cow_copies (`int`): blocks copied because a row wrote into a shared block.
+        prefix_tokens_reused (`int`): prompt tokens taken from the prefix cache instead of being computed.
         block_size (`int`): tokens per block.
     """
 
@@ -44,80 +41,17 @@ class CacheStats:
     peak_blocks: int
     tokens_stored: int
     cow_copies: int
+    prefix_tokens_reused: int
     block_size: int
 
 
-def _free_tables(allocator: BlockAllocator, rows: list[BlockTable]) -> None:
-    """Finalizer: return the blocks of a dropped cache (no reference to the cache itself)."""
+def _free_rows(allocator: BlockAllocator, rows: list[Row]) -> None:
+    """Return every row's blocks (also the finalizer of a dropped cache: it holds no reference to the cache)."""
     with allocator.lock:
-        for table in rows:
-            if not table.is_freed:
-                allocator.free(table)
+        for row in rows:
+            if not row.table.is_freed:
+                allocator.free(row.table)
         rows.clear()
-
-
-class PagedLayer(CacheLayerMixin):
-    """One decoder layer's view of a `PagedCache`: writes this layer's new K/V into the planned slots.
-
-    Every row's block table covers all layers (a block holds K and V of its tokens for every layer), so the token
-    bookkeeping lives in `PagedCache`; a layer only moves tensors. A sliding-window layer attends to the last
-    `sliding_window - 1` cached positions plus the new ones, exactly as transformers' `DynamicSlidingWindowLayer`.
-    """
-
-    is_croppable = True
-    supports_early_init = False
-
-    def __init__(self, cache: PagedCache, layer_idx: int, sliding_window: int | None = None):
-        super().__init__()
-        self._cache = weakref.proxy(cache)
-        self.layer_idx = layer_idx
-        self.sliding_window = sliding_window
-        self.is_sliding = sliding_window is not None
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self._cache.pool.storage.ensure_layer(self.layer_idx, key_states.transpose(1, 2))
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        return self._cache._write_layer(self.layer_idx, key_states, value_states)
-
-    def first_visible(self, past_length: int) -> int:
-        """First padded position this layer attends to when `past_length` positions are cached."""
-        if self.sliding_window is None:
-            return 0
-        return max(past_length - self.sliding_window + 1, 0)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        past_length = self._cache.get_seq_length()
-        offset = self.first_visible(past_length)
-        return past_length - offset + query_length, offset
-
-    def get_seq_length(self) -> int:
-        return self._cache.get_seq_length()
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:  # token bookkeeping is cache-wide; see PagedCache.reset
-        pass
-
-
-def _layer_windows(model: torch.nn.Module, text_config) -> list[int | None]:
-    """The sliding window of each decoder layer (`None` for full attention); other layer kinds are refused."""
-    num_layers = text_config.num_hidden_layers
-    window = getattr(text_config, "sliding_window", None)
-    layer_types = getattr(text_config, "layer_types", None)
-    if layer_types is None:
-        layer_types = ["sliding_attention" if window is not None else "full_attention"] * num_layers
-    unsupported = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
-    if unsupported:
-        raise NotImplementedError(
-            f"{type(model).__name__} has {unsupported} layers; PagedCache serves full and sliding-window attention"
-        )
-    return [window if layer_type == "sliding_attention" else None for layer_type in layer_types]
 
 
 class PagedCache(Cache):
@@ -125,13 +59,14 @@ class PagedCache(Cache):
 
     Blocks are taken one at a time as tokens arrive, pad tokens of left-padded batches are never stored, rows that
     `generate` expands (beams, `num_return_sequences`) and `reorder_cache` share blocks by refcount, and a shared
-    block is copied only when a row writes into it. Blocks go back to the pool on `reset()`/`release()` or when the
-    cache is garbage collected.
+    block is copied only when a row writes into it. Full blocks are indexed by content (prefix caching): a later
+    prompt that starts with cached blocks shares them and skips their prefill. Blocks go back to the pool on
+    `reset()`/`release()` or when the cache is garbage collected.
 
     Args:
         model (`PreTrainedModel`): the model this cache serves; its pool is `hf_paged.get_pool(model)`.
-        **cache_config: `block_size`, `num_blocks`, `max_memory`, `memory_fraction`, `attn_implementation`
-            (see `PagedCacheConfig`).
+        **cache_config: `block_size`, `num_blocks`, `max_memory`, `memory_fraction`, `attn_implementation`,
+            `prefix_caching` (see `PagedCacheConfig`).
 
     Example:
 
@@ -162,31 +97,38 @@ class PagedCache(Cache):
                 f"{type(model).__name__} is an encoder-decoder model; PagedCache serves decoder-only models"
             )
         self.pool: BlockPool = get_pool(model, config=self.cache_config)
-        layers = [PagedLayer(self, i, window) for i, window in enumerate(_layer_windows(model, text_config))]
+        layers = [PagedLayer(self, i, window) for i, window in enumerate(layer_windows(model, text_config))]
         super().__init__(layers=layers)
         self._model_ref = weakref.ref(model)
         self._model_name = type(model).__name__
-        self._rows: list[BlockTable] = []
-        self._leading_pads: list[int] = []
+        self._prefix_caching = self.cache_config.resolved_prefix_caching
+        self._root = root_hash(prefix_namespace(model))
+        self._rows: list[Row] = []
         self._seq_length = 0
         self._plan: ForwardPlan | None = None
         self._pending: ForwardInputs | None = None
         self._cow_copies = 0
         self._peak_blocks = 0
+        self._prefix_reused = 0
         self._released = False
-        self._finalizer = weakref.finalize(self, _free_tables, self.pool.allocator, self._rows)
+        self._finalizer = weakref.finalize(self, _free_rows, self.pool.allocator, self._rows)
         attach_to_model(model)
 
     # ------------------------------------------------------------------ read-only views
     @property
-    def row_tables(self) -> list[BlockTable]:
-        """The block table of every row (do not modify)."""
-        return list(self._rows)
+    def row_tables(self) -> list:
+        """The `BlockTable` of every row (do not modify)."""
+        return [row.table for row in self._rows]
 
     @property
     def leading_pads(self) -> list[int]:
         """Left-pad positions of every row, which hold no block slots."""
-        return list(self._leading_pads)
+        return [row.leading_pads for row in self._rows]
+
+    @property
+    def row_tokens(self) -> list[list[int] | None]:
+        """Token ids stored in every row (`None` where unknown or with prefix caching off)."""
+        return [None if row.tokens is None else list(row.tokens) for row in self._rows]
 
     @property
     def batch_size(self) -> int:
@@ -200,9 +142,9 @@ class PagedCache(Cache):
         """This cache's use of the pool (see `CacheStats`)."""
         block_size = self.pool.block_size
         held: dict[int, int] = {}
-        for table in self._rows:
-            for index, block_id in enumerate(table.block_ids):
-                tokens = min(block_size, table.num_tokens - index * block_size)
+        for row in self._rows:
+            for index, block_id in enumerate(row.table.block_ids):
+                tokens = min(block_size, row.table.num_tokens - index * block_size)
                 held[block_id] = max(held.get(block_id, 0), tokens)
         return CacheStats(
             num_rows=len(self._rows),
@@ -211,11 +153,9 @@ class PagedCache(Cache):
             peak_blocks=self._peak_blocks,
             tokens_stored=sum(held.values()),
             cow_copies=self._cow_copies,
+            prefix_tokens_reused=self._prefix_reused,
             block_size=block_size,
         )
-
-    def _distinct_blocks(self) -> set[int]:
-        return {block_id for table in self._rows for block_id in table.block_ids}
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The padded length, equal for every row."""
@@ -248,7 +188,8 @@ class PagedCache(Cache):
         self._pending = inputs
 
     def read_layer(self, layer_idx: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of `layer_idx` for every padded position, gathered through the block tables: `[B, H, L, D]`."""
+        """K/V of `layer_idx` for every padded position it attends to, gathered through the block tables:
+        `[batch, num_kv_heads, length, head_dim]`."""
         plan = self._plan
         if plan is None:
             raise RuntimeError("PagedCache.read_layer called before any update in this forward")
@@ -270,12 +211,12 @@ class PagedCache(Cache):
         plan.last_layer = layer_idx
         batch, num_heads, num_new, head_dim = key_states.shape
         local = plan.on(key_states.device)
-        write_slots, write_index = local.write_slots, local.write_index
         new_keys = key_states.transpose(1, 2).reshape(batch * num_new, num_heads, head_dim)
         new_values = value_states.transpose(1, 2).reshape(batch * num_new, num_heads, head_dim)
-        if write_index is not None:
-            new_keys, new_values = new_keys.index_select(0, write_index), new_values.index_select(0, write_index)
-        self.pool.storage.write(layer_idx, write_slots, new_keys, new_values)
+        if local.write_index is not None:
+            new_keys = new_keys.index_select(0, local.write_index)
+            new_values = new_values.index_select(0, local.write_index)
+        self.pool.storage.write(layer_idx, local.write_slots, new_keys, new_values)
         if plan.reads_tables:
             return key_states, value_states
         return self.read_layer(layer_idx)
@@ -287,38 +228,47 @@ class PagedCache(Cache):
         self._pending = None
         allocator = self.pool.allocator
         with allocator.lock:
+            if self._cache_full_blocks():  # the last forward's full blocks: every layer has written them now
+                self._plan = None
             free_before = allocator.num_free
             created = self._ensure_rows(batch)
             try:
                 stores, pads = self._tokens_to_store(inputs.attention_mask, batch, num_new)
-                leaders = _duplicate_row_leaders(inputs, batch, num_new) if created else None
+                leaders = duplicate_row_leaders(inputs, batch, num_new) if created else None
                 writers = None if leaders is None else [leader == row for row, leader in enumerate(leaders)]
-                requests = [(t, n) for row, (t, n) in enumerate(zip(self._rows, stores)) if not writers or writers[row]]
+                requests = [
+                    (r.table, n) for i, (r, n) in enumerate(zip(self._rows, stores)) if not writers or writers[i]
+                ]
                 copies = allocator.append_all(requests, what=f"a forward of {batch} row(s) x {num_new} token(s)")
             except BaseException:
                 if created:
-                    self._free_rows()
+                    _free_rows(allocator, self._rows)
                 raise
-            for row, added in enumerate(pads):
-                self._leading_pads[row] += added
+            new_ids = self._new_token_ids(inputs, batch, num_new)
+            for index, row in enumerate(self._rows):
+                row.leading_pads += pads[index]
+                if not writers or writers[index]:
+                    row.record(None if new_ids is None else new_ids[index][num_new - stores[index] :])
             if leaders is not None:  # identical prompts: one copy of the blocks, shared by refcount
-                for row, leader in enumerate(leaders):
-                    if leader != row:
-                        allocator.free(self._rows[row])
-                        self._rows[row] = allocator.fork(self._rows[leader])
+                for index, leader in enumerate(leaders):
+                    if leader != index:
+                        allocator.free(self._rows[index].table)
+                        self._rows[index] = self._rows[leader].fork(allocator)
             self._seq_length += num_new
             self.pool.storage.copy_blocks(copies)
             self._cow_copies += len(copies)
             if allocator.num_free != free_before:
-                self._peak_blocks = max(self._peak_blocks, len(self._distinct_blocks()))
-            block_size, previous = self.pool.block_size, self._plan
+                distinct = {block_id for row in self._rows for block_id in row.table.block_ids}
+                self._peak_blocks = max(self._peak_blocks, len(distinct))
+            tables = [row.table for row in self._rows]
+            previous = self._plan
             if previous is not None and not created and not copies and not any(pads):
-                self._plan = extend_plan(previous, self._rows, block_size, num_new, inputs.reads_tables)
+                self._plan = extend_plan(previous, tables, allocator.block_size, num_new, inputs.reads_tables)
             else:
                 self._plan = plan_forward(
-                    self._rows,
-                    self._leading_pads,
-                    block_size,
+                    tables,
+                    [row.leading_pads for row in self._rows],
+                    allocator.block_size,
                     self._seq_length,
                     num_new,
                     key_states.device,
@@ -327,17 +277,24 @@ class PagedCache(Cache):
                 )
         return self._plan
 
+    def _new_token_ids(self, inputs: ForwardInputs, batch: int, num_new: int) -> list[list[int]] | None:
+        ids = inputs.input_ids
+        if not self._prefix_caching or ids is None or ids.dim() != 2 or ids.shape[0] != batch:
+            return None
+        return ids[:, -num_new:].tolist() if ids.shape[1] >= num_new else None
+
     def _ensure_rows(self, batch: int) -> bool:
-        """Create (first forward) or broadcast (a 1-row prefix meeting `batch` rows) the row tables."""
+        """Create the rows (first forward), or repeat each row to meet a batch `generate` expanded (a prompt cache of
+        B rows meeting B x num_beams rows, repeated in interleaved order)."""
         allocator = self.pool.allocator
         if not self._rows:
-            self._rows.extend(allocator.new_table() for _ in range(batch))
-            self._leading_pads.extend([0] * batch)
+            for _ in range(batch):
+                self._rows.append(Row(allocator.new_table(), tokens=[] if self._prefix_caching else None))
             return True
         if len(self._rows) == batch:
             return False
-        if len(self._rows) == 1:
-            self.batch_repeat_interleave(batch)
+        if batch % len(self._rows) == 0:
+            self.batch_repeat_interleave(batch // len(self._rows))
             return False
         raise ValueError(f"this PagedCache holds {len(self._rows)} rows but the forward has batch size {batch}")
 
@@ -348,16 +305,118 @@ class PagedCache(Cache):
             if attention_mask.shape[0] != batch:
                 raise ValueError(f"attention_mask has {attention_mask.shape[0]} rows but the batch has {batch}")
             leading = (attention_mask[:, -num_new:].to(torch.int32).cumsum(-1) == 0).sum(-1).tolist()
-            for row, table in enumerate(self._rows):
-                if table.num_tokens == 0:
-                    pads[row], stores[row] = leading[row], num_new - leading[row]
-        for row, table in enumerate(self._rows):
-            if table.num_tokens + stores[row] == 0:
+            for index, row in enumerate(self._rows):
+                if row.table.num_tokens == 0:
+                    pads[index], stores[index] = leading[index], num_new - leading[index]
+        for index, row in enumerate(self._rows):
+            if row.table.num_tokens + stores[index] == 0:
                 raise ValueError(
-                    f"row {row} has no real token: its attention_mask is all zeros (an empty prompt?); every row "
+                    f"row {index} has no real token: its attention_mask is all zeros (an empty prompt?); every row "
                     "needs at least one token"
                 )
         return stores, pads
+
+    def _cache_full_blocks(self) -> bool:
+        """Index the rows' full blocks by content; returns whether a table changed (a block was deduplicated)."""
+        if not self._prefix_caching:
+            return False
+        changed = False
+        for row in self._rows:
+            changed |= row.cache_full_blocks(self.pool.allocator, self._root)
+        return changed
+
+    # ------------------------------------------------------------------ prompts and prefixes
+    def start_from_prompt(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None) -> int:
+        """Prepare for a `generate` call on `input_ids` (`[batch, length]`, left-padded); returns the positions that
+        need no prefill.
+
+        - An empty cache takes the longest cached prefix every row shares a block-aligned start with (all rows need
+          the same left padding), so `generate` prefills only the rest.
+        - A cache that already holds tokens (a conversation continued with `past_key_values`) is cropped back to the
+          longest prefix it shares with `input_ids`, so stale positions are never attended to.
+
+        At least one position is always left to compute (`generate` needs the last prompt token's logits).
+        """
+        self._check_open()
+        if input_ids is None or input_ids.dim() != 2 or not self._prefix_caching:
+            return 0
+        batch, width = input_ids.shape
+        mask = attention_mask if attention_mask is not None and attention_mask.shape == input_ids.shape else None
+        pads = [0] * batch if mask is None else (mask.to(torch.int32).cumsum(-1) == 0).sum(-1).tolist()
+        if mask is not None and int(mask.sum()) != sum(width - p for p in pads):
+            return 0  # not plain left padding
+        tokens = [input_ids[row, pads[row] :].tolist() for row in range(batch)]
+        with self.pool.allocator.lock:
+            if self._rows:
+                return self._align_to_prompt(pads, tokens, width)
+            return self._reuse_cached_prefix(pads, tokens)
+
+    def _reuse_cached_prefix(self, pads: list[int], tokens: list[list[int]]) -> int:
+        if len(set(pads)) != 1:
+            return 0
+        allocator, size = self.pool.allocator, self.pool.block_size
+        chains, found = [], []
+        for row_tokens in tokens:
+            usable = (len(row_tokens) - 1) // size * size
+            chains.append(chain(self._root, row_tokens[:usable], size))
+            found.append(allocator.lookup_prefix(chains[-1]))
+        num_blocks = min(len(blocks) for blocks in found)
+        if num_blocks == 0:
+            return 0
+        for row_tokens, row_chain, blocks in zip(tokens, chains, found):
+            row = Row(allocator.new_table(), pads[0], row_tokens[: num_blocks * size], [h for h, _ in row_chain])
+            del row.hashes[num_blocks:]
+            allocator.share_cached(row.table, blocks[:num_blocks])
+            self._rows.append(row)
+        self._seq_length = pads[0] + num_blocks * size
+        self._prefix_reused += len(tokens) * num_blocks * size
+        self._peak_blocks = max(self._peak_blocks, len({b for blocks in found for b in blocks[:num_blocks]}))
+        return self._seq_length
+
+    def _align_to_prompt(self, pads: list[int], tokens: list[list[int]], width: int) -> int:
+        if len(self._rows) != len(tokens) or any(row.tokens is None for row in self._rows):
+            return 0
+        common = width - 1
+        for row, new_pads, new_tokens in zip(self._rows, pads, tokens):
+            if row.leading_pads != new_pads:
+                common = min(common, row.leading_pads, new_pads)
+                continue
+            same = 0
+            for old, new in zip(row.tokens, new_tokens):
+                if old != new:
+                    break
+                same += 1
+            common = min(common, new_pads + same)
+        if common < self._seq_length:
+            logger.info(
+                "hf_paged: cropping the cache from %d to %d positions to match the prompt", self._seq_length, common
+            )
+            self.crop(common - self._seq_length)
+        return self._seq_length
+
+    def fork(self, n: int | None = None) -> PagedCache | list[PagedCache]:
+        """Caches that share every block of this one (nothing is copied; a shared partial block is copied when a
+        fork writes into it). The paged replacement for `copy.deepcopy(prompt_cache)`.
+
+        Returns one `PagedCache`, or a list of `n` of them when `n` is given.
+        """
+        self._check_open()
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"fork(n): n must be a positive int, got {n!r}")
+        model = self._model_ref()
+        if model is None:
+            raise RuntimeError("the model of this PagedCache is gone")
+        forks = []
+        options = {k: v for k, v in vars(self.cache_config).items() if v is not None}
+        with self.pool.allocator.lock:
+            self._cache_full_blocks()
+            for _ in range(n or 1):
+                twin = PagedCache(model, **options)
+                twin._rows.extend(row.fork(self.pool.allocator) for row in self._rows)
+                twin._seq_length = self._seq_length
+                twin._peak_blocks = len({b for row in self._rows for b in row.table.block_ids})
+                forks.append(twin)
+        return forks[0] if n is None else forks
 
     # ------------------------------------------------------------------ row operations used by generate
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -379,11 +438,9 @@ class PagedCache(Cache):
             raise IndexError(f"{caller}: row indices {bad[:5]} are out of range for a cache of {len(self._rows)} rows")
         allocator = self.pool.allocator
         with allocator.lock:
-            new_rows = [allocator.fork(self._rows[i]) for i in sources]
-            new_pads = [self._leading_pads[i] for i in sources]
-            self._free_rows()
+            new_rows = [self._rows[i].fork(allocator) for i in sources]
+            _free_rows(allocator, self._rows)
             self._rows.extend(new_rows)
-            self._leading_pads.extend(new_pads)
         self._plan = None
 
     def crop(self, max_length: int) -> None:
@@ -400,9 +457,9 @@ class PagedCache(Cache):
         new_length = self._seq_length + max_length
         allocator = self.pool.allocator
         with allocator.lock:
-            for row, table in enumerate(self._rows):
-                self._leading_pads[row] = min(self._leading_pads[row], new_length)
-                allocator.crop(table, new_length - self._leading_pads[row])
+            self._cache_full_blocks()
+            for row in self._rows:
+                row.crop(allocator, new_length, allocator.block_size)
         self._seq_length = new_length
         self._plan = None
 
@@ -410,10 +467,11 @@ class PagedCache(Cache):
         """Nothing to do: every position stays in the pool until `crop` removes it."""
 
     def reset(self) -> None:
-        """Return every block to the pool and empty the cache; it can be used again."""
+        """Return every block to the pool (full ones stay cached by content) and empty the cache for reuse."""
         self._check_open()
         with self.pool.allocator.lock:
-            self._free_rows()
+            self._cache_full_blocks()
+            _free_rows(self.pool.allocator, self._rows)
         self._seq_length = 0
         self._plan = None
         self._pending = None
@@ -427,35 +485,13 @@ class PagedCache(Cache):
         self._released = True
         self._finalizer.detach()
 
-    def _free_rows(self) -> None:
-        _free_tables(self.pool.allocator, self._rows)
-        self._leading_pads.clear()
-
     def _check_open(self) -> None:
         if self._released:
             raise RuntimeError("this PagedCache was released; its blocks are back in the pool. Build a new one.")
 
     def __repr__(self) -> str:
+        blocks = sum(len(row.table.block_ids) for row in self._rows)
         return (
             f"PagedCache(rows={len(self._rows)}, seq_length={self._seq_length}, "
-            f"block_size={self.pool.block_size}, blocks={sum(len(t.block_ids) for t in self._rows)})"
+            f"block_size={self.pool.block_size}, blocks={blocks})"
         )
-
-
-def _duplicate_row_leaders(inputs: ForwardInputs, batch: int, num_new: int) -> list[int] | None:
-    """For each row, the first row with the same new tokens, mask and positions; `None` when all rows differ or the
-    inputs are unknown (e.g. `inputs_embeds`). `generate` repeats every prompt `num_beams` / `num_return_sequences`
-    times before prefill: those rows then share one copy of the prompt's blocks."""
-    input_ids = inputs.input_ids
-    if batch < 2 or input_ids is None or input_ids.dim() != 2 or input_ids.shape != (batch, num_new):
-        return None
-    parts = [input_ids]
-    for extra in (inputs.attention_mask, inputs.position_ids):
-        if extra is not None and extra.dim() == 2 and extra.shape[0] == batch:
-            parts.append(extra[:, -num_new:].to(input_ids.device, input_ids.dtype))
-    keys = torch.cat(parts, dim=1)
-    _, group = torch.unique(keys, dim=0, return_inverse=True)
-    first = torch.full((int(group.max()) + 1,), batch, dtype=torch.long, device=group.device)
-    first.scatter_reduce_(0, group, torch.arange(batch, device=group.device), reduce="amin")
-    leaders = first[group].tolist()
-    return None if leaders == list(range(batch)) else leaders

@@ -68,6 +68,8 @@ class PagedCacheConfig:
             when neither `num_blocks` nor `max_memory` is given (default 0.9).
         attn_implementation (`str`, *optional*): attention used while generating with the paged cache: `"hf_paged"`
             (default, reads K/V through the block tables) or a stock one such as `"sdpa"` or `"eager"`.
+        prefix_caching (`bool`, *optional*): share full blocks by content across sequences and calls, and skip the
+            prefill of a cached prompt prefix (default True).
 
     Example:
 
@@ -83,6 +85,7 @@ class PagedCacheConfig:
     max_memory: int | None = None
     memory_fraction: float | None = None
     attn_implementation: str | None = None
+    prefix_caching: bool | None = None
 
     @classmethod
     def from_dict(cls, options: dict | None) -> PagedCacheConfig:
@@ -112,12 +115,18 @@ class PagedCacheConfig:
             object.__setattr__(self, "max_memory", parse_memory(self.max_memory))
         if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
             raise ValueError(f"cache_config memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.prefix_caching is not None and not isinstance(self.prefix_caching, bool):
+            raise TypeError(f"cache_config prefix_caching must be True or False, got {self.prefix_caching!r}")
         if self.attn_implementation is not None and not isinstance(self.attn_implementation, str):
             raise TypeError(f"cache_config attn_implementation must be a string, got {self.attn_implementation!r}")
 
     @property
     def resolved_block_size(self) -> int:
         return self.block_size if self.block_size is not None else DEFAULT_BLOCK_SIZE
+
+    @property
+    def resolved_prefix_caching(self) -> bool:
+        return self.prefix_caching is not False
 
     @property
     def resolved_attn_implementation(self) -> str:

@@ -28,8 +28,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils import ModelOutput
 
 from .attention import ATTENTION_NAME, paged_attention_forward
-from .cache import ForwardInputs, PagedCache
+from .cache import PagedCache
 from .config import PagedCacheConfig
+from .plan import ForwardInputs
 
 logger = logging.getLogger(__name__)
 
@@ -129,9 +130,11 @@ def attention_implementation(model: torch.nn.Module, implementation: str):
 class _PagedRequest:
     """One paged `generate` call of this thread: what cache to build, and the cache built."""
 
-    def __init__(self, model: torch.nn.Module, config: PagedCacheConfig | None):
+    def __init__(self, model: torch.nn.Module, config: PagedCacheConfig | None, input_ids=None, attention_mask=None):
         self.model = model
         self.config = config
+        self.input_ids = input_ids
+        self.attention_mask = attention_mask
         self.cache: PagedCache | None = None
 
 
@@ -159,9 +162,11 @@ def _cache_config_of(model, generation_config: GenerationConfig | None, kwargs: 
 @functools.wraps(_original_generate)
 def _paged_generate(self, inputs=None, generation_config=None, **kwargs):
     user_cache = kwargs.get("past_key_values")
+    input_ids = inputs if isinstance(inputs, torch.Tensor) else kwargs.get("input_ids")
     if not _asks_for_paged(self, generation_config, kwargs):
         if isinstance(user_cache, PagedCache):
             attach_to_model(self)
+            user_cache.start_from_prompt(input_ids, kwargs.get("attention_mask"))
             implementation = user_cache.cache_config.resolved_attn_implementation
             with attention_implementation(self, implementation):
                 return _original_generate(self, inputs, generation_config, **kwargs)
@@ -179,7 +184,7 @@ def _paged_generate(self, inputs=None, generation_config=None, **kwargs):
     config = _cache_config_of(self, generation_config, kwargs)
     kwargs.pop("cache_implementation", None)
     kwargs.pop("cache_config", None)
-    request = _PagedRequest(self, config)
+    request = _PagedRequest(self, config, input_ids, kwargs.get("attention_mask"))
     requests = _requests()
     requests.append(request)
     try:
@@ -210,6 +215,8 @@ def _prepare_paged_cache(self, generation_config, model_kwargs, generation_mode,
             f"{type(self).__name__} keeps a recurrent state, not a KV cache; paged generation does not apply to it"
         )
     request.cache = _new_cache(self, request.config)
+    if model_kwargs.get("inputs_embeds") is None:
+        request.cache.start_from_prompt(request.input_ids, request.attention_mask)
     model_kwargs["past_key_values"] = request.cache
     if generation_config.is_assistant:
         request.cache.activate_past_recording()

@@ -9,6 +9,16 @@ import torch
 from .allocator import BlockTable
 
 
+@dataclass(frozen=True)
+class ForwardInputs:
+    """What the forward pre-hook tells the cache about the coming forward."""
+
+    attention_mask: torch.Tensor | None = None
+    input_ids: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
+    reads_tables: bool = False
+
+
 @dataclass
 class ForwardPlan:
     """Where one forward's tokens go and where every layer reads its K/V from; built once, used by all layers.
@@ -83,3 +93,22 @@ def extend_plan(previous: ForwardPlan, rows: list[BlockTable], block_size: int, 
     new_slots = torch.tensor(new, dtype=torch.long, device=previous.slot_map.device)
     slot_map = torch.cat([previous.slot_map, new_slots], dim=1)
     return ForwardPlan(slot_map, new_slots.reshape(-1), None, reads_tables, num_new)
+
+
+def duplicate_row_leaders(inputs: ForwardInputs, batch: int, num_new: int) -> list[int] | None:
+    """For each row, the first row with the same new tokens, mask and positions; `None` when all rows differ or the
+    inputs are unknown (e.g. `inputs_embeds`). `generate` repeats every prompt `num_beams` / `num_return_sequences`
+    times before prefill: those rows then share one copy of the prompt's blocks."""
+    input_ids = inputs.input_ids
+    if batch < 2 or input_ids is None or input_ids.dim() != 2 or input_ids.shape != (batch, num_new):
+        return None
+    parts = [input_ids]
+    for extra in (inputs.attention_mask, inputs.position_ids):
+        if extra is not None and extra.dim() == 2 and extra.shape[0] == batch:
+            parts.append(extra[:, -num_new:].to(input_ids.device, input_ids.dtype))
+    keys = torch.cat(parts, dim=1)
+    _, group = torch.unique(keys, dim=0, return_inverse=True)
+    first = torch.full((int(group.max()) + 1,), batch, dtype=torch.long, device=group.device)
+    first.scatter_reduce_(0, group, torch.arange(batch, device=group.device), reduce="amin")
+    leaders = first[group].tolist()
+    return None if leaders == list(range(batch)) else leaders

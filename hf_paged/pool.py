@@ -91,6 +91,10 @@ class BlockPool:
     def reset_peak(self) -> None:
         self.allocator.reset_peak()
 
+    def clear_prefix_cache(self) -> None:
+        """Forget cached prefixes; call it after changing the model's weights (training, merging adapters)."""
+        self.allocator.clear_prefix_cache()
+
     def __repr__(self) -> str:
         s = self.stats()
         return f"BlockPool(num_blocks={s.num_blocks}, block_size={s.block_size}, used={s.num_used})"

@@ -227,3 +227,19 @@ def test_matrix_covers_every_requested_value():
     assert {(n, r) for n, r, _ in BEAM_CASES} == {(n, r) for n in (2, 4, 8) for r in (1, 2, n)}
     block_sizes = {(1, 4, 16)[case % 3] for case in range(len(BEAM_CASES))}
     assert block_sizes == {1, 4, 16}
+
+
+def test_crop_on_shared_blocks_then_decode_copies_instead_of_overwriting():
+    model = tiny_model("llama")
+    cache = PagedCache(model, block_size=4)
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 128, (1, 10)), past_key_values=cache)
+        cache.batch_repeat_interleave(3)  # three rows share blocks [0, 1, 2] (10 tokens: the last one 2/4 full)
+        cache.crop(-3)  # 7 tokens: block 2 is dropped by all rows, block 1 becomes the shared partial block
+        pool = get_pool(model)
+        assert [pool.allocator.ref_count(b) for b in range(3)] == [3, 3, 0]
+        model(input_ids=torch.randint(3, 128, (3, 1)), past_key_values=cache)
+    assert cache.stats().cow_copies == 2 and [t.num_tokens for t in cache.row_tables] == [8, 8, 8]
+    assert len({t.block_ids[1] for t in cache.row_tables}) == 3
+    pool.check_invariants()
+    cache.release()
