@@ -1,0 +1,346 @@
+"""Prefix sharing: content-addressed blocks, LRU eviction, skipped prefill, fork, multi-turn reuse, isolation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_paged.prefix
+import hf_paged.rows
+from hf_paged import BlockAllocator, InvariantError, PagedCache, get_pool
+from hf_paged.prefix import block_hash, chain, root_hash
+from hf_paged.reference_models import tiny_model
+
+ROOT = root_hash(b"test")
+
+
+def cached_table(allocator: BlockAllocator, tokens: list[int]):
+    """A table holding `tokens`, its full blocks put in the prefix index (as a cache does after a forward)."""
+    table = allocator.new_table()
+    allocator.append(table, len(tokens))
+    for (h, block_tokens), block_id in zip(chain(ROOT, tokens, allocator.block_size), table.block_ids):
+        assert allocator.cache_block(block_id, h, block_tokens) == block_id
+    return table
+
+
+class CountTokens:
+    """Counts the tokens every forward of a model receives (a forward pre-hook)."""
+
+    def __init__(self, model):
+        self.calls: list[int] = []
+        self.handle = model.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs):
+        self.calls.append(int(kwargs["input_ids"].shape[-1]))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+# ---------------------------------------------------------------------- allocator: the prefix index
+def test_freed_cached_blocks_stay_cached_and_are_found_again():
+    allocator = BlockAllocator(num_blocks=6, block_size=2)
+    table = cached_table(allocator, [5, 6, 7, 8, 9])  # blocks 0, 1 full and cached; block 2 partial
+    allocator.free(table)
+    assert allocator.free_block_ids == [3, 4, 5, 2, 1, 0]  # plain free first, then cached tail before head
+    assert allocator.evictable_block_ids == [1, 0] and allocator.num_free == 6
+    found = allocator.lookup_prefix(chain(ROOT, [5, 6, 7, 8, 9, 10], 2))
+    assert found == [0, 1]
+    again = allocator.new_table()
+    allocator.share_cached(again, found)
+    assert again.num_tokens == 4 and [allocator.ref_count(b) for b in (0, 1)] == [1, 1]
+    assert allocator.evictable_block_ids == []
+    stats = allocator.stats()
+    assert (stats.prefix_queries, stats.prefix_hits, stats.num_cached, stats.num_evictable) == (1, 4, 2, 0)
+    allocator.check_invariants()
+
+
+def test_eviction_takes_plain_free_blocks_first_then_lru_tail_before_head():
+    allocator = BlockAllocator(num_blocks=5, block_size=2)
+    older = cached_table(allocator, [1, 2, 3, 4])  # blocks 0, 1
+    newer = cached_table(allocator, [7, 8, 9, 10])  # blocks 2, 3
+    allocator.free(older)
+    allocator.free(newer)
+    assert allocator.evictable_block_ids == [1, 0, 3, 2]  # LRU first; each chain's tail before its head
+    table = allocator.new_table()
+    allocator.append(table, 2)  # the plain free block 4
+    assert table.block_ids == [4] and allocator.stats().evictions == 0
+    allocator.append(table, 4)  # evicts block 1 (older chain's tail), then block 0 (its head)
+    assert table.block_ids == [4, 1, 0] and allocator.stats().evictions == 2
+    assert allocator.lookup_prefix(chain(ROOT, [1, 2, 3, 4], 2)) == []
+    assert allocator.lookup_prefix(chain(ROOT, [7, 8, 9, 10], 2)) == [2, 3]
+    allocator.check_invariants()
+
+
+def test_a_hash_collision_is_caught_by_token_verification():
+    allocator = BlockAllocator(num_blocks=4, block_size=2)
+    first = allocator.new_table()
+    allocator.append(first, 2)
+    allocator.append(second := allocator.new_table(), 2)
+    same_hash = b"\x00" * 16
+    assert allocator.cache_block(first.block_ids[0], same_hash, (1, 2)) == 0
+    assert allocator.cache_block(second.block_ids[0], same_hash, (3, 4)) == 1  # not shared, not cached
+    assert allocator.lookup_prefix([(same_hash, (3, 4))]) == []
+    assert allocator.lookup_prefix([(same_hash, (1, 2))]) == [0]
+    allocator.check_invariants()
+
+
+def test_writing_into_a_cropped_cached_block_uncaches_it():
+    allocator = BlockAllocator(num_blocks=4, block_size=2)
+    table = cached_table(allocator, [1, 2, 3, 4])
+    allocator.crop(table, 3)
+    allocator.append(table, 1)  # block 1 was cached as (3, 4); its slot 1 is rewritten
+    assert allocator.lookup_prefix(chain(ROOT, [1, 2, 3, 4], 2)) == [0]
+    assert allocator.block_hash(1) is None
+    allocator.check_invariants()
+
+
+def test_clear_prefix_cache_forgets_everything():
+    allocator = BlockAllocator(num_blocks=4, block_size=2)
+    allocator.free(cached_table(allocator, [1, 2, 3, 4]))
+    allocator.clear_prefix_cache()
+    assert allocator.lookup_prefix(chain(ROOT, [1, 2, 3, 4], 2)) == []
+    assert allocator.stats().num_cached == 0 and allocator.num_free == 4
+    allocator.check_invariants()
+
+
+def test_invariant_4_catches_a_free_block_that_kept_its_hash():
+    allocator = BlockAllocator(num_blocks=4, block_size=2)
+    allocator.free(cached_table(allocator, [1, 2]))
+    allocator._evictable.pop(0)
+    allocator._free.append(0)
+    with pytest.raises(InvariantError, match="invariant 4: free blocks \\[0\\] still carry a prefix hash"):
+        allocator.check_invariants()
+
+
+def test_chain_hash_depends_on_every_earlier_block():
+    a = chain(ROOT, [1, 2, 3, 4, 5, 6], 2)
+    b = chain(ROOT, [9, 2, 3, 4, 5, 6], 2)
+    assert [h for h, _ in a] != [h for h, _ in b] and a[1][1] == b[1][1]
+    assert all(x[0] != y[0] for x, y in zip(a, b))  # same later tokens, different prefix: different hashes
+    assert block_hash(ROOT, [1, 2]) == a[0][0]
+
+
+# ---------------------------------------------------------------------- generate: skipped prefill and reuse
+@pytest.fixture
+def model():
+    return tiny_model("llama")
+
+
+def test_second_call_with_a_cached_prompt_prefix_computes_only_the_rest(model):
+    system = torch.randint(3, 128, (1, 37))
+    first = torch.cat([system, torch.randint(3, 128, (1, 5))], dim=1)
+    second = torch.cat([system, torch.randint(3, 128, (1, 6))], dim=1)
+    options = dict(max_new_tokens=6, pad_token_id=0, do_sample=False)
+    reference = model.generate(input_ids=second, **options)
+    model.generate(input_ids=first, **options, cache_implementation="paged", cache_config={"block_size": 8})
+    with CountTokens(model) as counter:
+        paged = model.generate(input_ids=second, **options, cache_implementation="paged")
+    assert torch.equal(reference, paged)
+    assert counter.calls[0] == 43 - 32  # 4 full blocks of the 37-token system prompt came from the cache
+    assert get_pool(model).last_cache_stats.prefix_tokens_reused == 32
+    assert get_pool(model).stats().num_used == 0 and get_pool(model).stats().prefix_hits >= 32
+
+
+def test_whole_prompt_cached_still_computes_its_last_token(model):
+    prompt = torch.randint(3, 128, (1, 16))
+    options = dict(max_new_tokens=4, pad_token_id=0, cache_implementation="paged", cache_config={"block_size": 4})
+    first = model.generate(input_ids=prompt, **options)
+    with CountTokens(model) as counter:
+        again = model.generate(input_ids=prompt, **options)
+    assert torch.equal(first, again) and counter.calls[0] == 4  # 3 cached blocks; the last block is recomputed
+
+
+def test_batch_with_equal_padding_skips_the_shared_prefix(model):
+    system = torch.randint(3, 128, (1, 20))
+    batch = torch.cat([system.repeat(3, 1), torch.randint(3, 128, (3, 4))], dim=1)
+    options = dict(max_new_tokens=5, pad_token_id=0, do_sample=False)
+    reference = model.generate(input_ids=batch, **options)
+    model.generate(input_ids=system, **options, cache_implementation="paged", cache_config={"block_size": 4})
+    with CountTokens(model) as counter:
+        paged = model.generate(input_ids=batch, **options, cache_implementation="paged", return_dict_in_generate=True)
+    assert torch.equal(reference, paged.sequences) and counter.calls[0] == 24 - 20  # 5 cached blocks
+    tables = paged.past_key_values.row_tables
+    assert tables[0].block_ids[:5] == tables[1].block_ids[:5] == tables[2].block_ids[:5]
+    paged.past_key_values.release()
+
+
+def test_rows_with_different_padding_still_share_storage(model):
+    system = torch.randint(3, 128, (1, 12)).tolist()[0]
+    prompts = [system + [5, 6], system + [7, 8, 9, 10, 11]]
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    attention_mask = (input_ids != 0).long()
+    options = dict(max_new_tokens=3, pad_token_id=0, do_sample=False, attention_mask=attention_mask)
+    reference = model.generate(input_ids=input_ids, **options)
+    paged = model.generate(
+        input_ids=input_ids,
+        **options,
+        cache_implementation="paged",
+        return_dict_in_generate=True,
+        cache_config={"block_size": 4},
+    )
+    assert torch.equal(reference, paged.sequences)
+    first, second = paged.past_key_values.row_tables
+    assert first.block_ids[:3] == second.block_ids[:3]  # the 12-token system prompt: one copy of its 3 blocks
+    paged.past_key_values.release()
+
+
+def test_prompts_differing_inside_the_first_block_share_nothing(model):
+    prompt = torch.randint(3, 128, (1, 24))
+    other = prompt.clone()
+    other[0, 2] = (other[0, 2] + 1) % 125 + 3
+    options = dict(max_new_tokens=3, pad_token_id=0, cache_implementation="paged", cache_config={"block_size": 8})
+    model.generate(input_ids=prompt, **options)
+    with CountTokens(model) as counter:
+        model.generate(input_ids=other, **options)
+    assert counter.calls[0] == 24
+    assert get_pool(model).last_cache_stats.prefix_tokens_reused == 0
+
+
+def test_forced_hash_collision_never_hands_over_another_prompts_kv(model, monkeypatch):
+    monkeypatch.setattr(hf_paged.rows, "block_hash", lambda parent, tokens: b"\x01" * 16)
+    monkeypatch.setattr(hf_paged.prefix, "block_hash", lambda parent, tokens: b"\x01" * 16)
+    first, second = torch.randint(3, 128, (1, 17)), torch.randint(3, 128, (1, 17))
+    options = dict(max_new_tokens=5, pad_token_id=0, do_sample=False)
+    reference = model.generate(input_ids=second, **options)
+    model.generate(input_ids=first, **options, cache_implementation="paged", cache_config={"block_size": 8})
+    with CountTokens(model) as counter:
+        paged = model.generate(input_ids=second, **options, cache_implementation="paged")
+    assert torch.equal(reference, paged) and counter.calls[0] == 17
+
+
+def test_prefix_caching_can_be_switched_off(model):
+    prompt = torch.randint(3, 128, (1, 20))
+    options = dict(
+        max_new_tokens=3,
+        pad_token_id=0,
+        cache_implementation="paged",
+        cache_config={"block_size": 4, "prefix_caching": False},
+    )
+    model.generate(input_ids=prompt, **options)
+    with CountTokens(model) as counter:
+        model.generate(input_ids=prompt, **options)
+    assert counter.calls[0] == 20 and get_pool(model).stats().num_cached == 0
+
+
+def test_eviction_under_pressure_keeps_outputs_exact():
+    model = tiny_model("llama")
+    prompts = [torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    options = dict(max_new_tokens=4, pad_token_id=0, do_sample=False)
+    references = [model.generate(input_ids=p, **options) for p in prompts]
+    for _ in range(2):
+        for prompt, reference in zip(prompts, references):
+            paged = model.generate(
+                input_ids=prompt,
+                **options,
+                cache_implementation="paged",
+                cache_config={"block_size": 4, "num_blocks": 20},
+            )
+            assert torch.equal(reference, paged)
+    stats = get_pool(model).stats()
+    assert stats.evictions > 0 and stats.num_used == 0
+
+
+# ---------------------------------------------------------------------- fork and multi-turn
+def test_fork_shares_the_prompt_and_matches_independent_runs(model):
+    prompt = torch.randint(3, 128, (1, 10))
+    cache = PagedCache(model, block_size=4)
+    with torch.no_grad():
+        model(input_ids=prompt, past_key_values=cache)
+    forks = cache.fork(4)
+    pool = get_pool(model)
+    assert pool.stats().num_used == 3  # one copy of the 10-token prompt for five caches
+    assert all(pool.allocator.ref_count(b) == 5 for b in cache.row_tables[0].block_ids)
+    continuations = [torch.cat([prompt, torch.randint(3, 128, (1, 2))], dim=1) for _ in forks]
+    for fork, follow in zip(forks, continuations):
+        reference = model.generate(input_ids=follow, max_new_tokens=5, pad_token_id=0)
+        paged = model.generate(input_ids=follow, max_new_tokens=5, pad_token_id=0, past_key_values=fork)
+        assert torch.equal(reference, paged)
+        assert fork.stats().cow_copies == 1  # it wrote into the shared partial block 2 (10 tokens: 2/4 full)
+    for fork in forks:
+        fork.release()
+    single = cache.fork()
+    assert isinstance(single, PagedCache) and single.get_seq_length() == 10
+    single.release()
+    cache.release()
+    with pytest.raises(ValueError, match="n must be a positive int, got 0"):
+        PagedCache(model).fork(0)
+
+
+def test_reused_cache_is_cropped_to_what_the_new_prompt_shares(model):
+    prompt = torch.randint(3, 128, (1, 9))
+    out = model.generate(
+        input_ids=prompt, max_new_tokens=4, pad_token_id=0, cache_implementation="paged", return_dict_in_generate=True
+    )
+    cache = out.past_key_values
+    edited = out.sequences.clone()
+    edited[0, 5] = (edited[0, 5] + 1) % 125 + 3  # the user edits an earlier token of the conversation
+    follow = torch.cat([edited, torch.randint(3, 128, (1, 3))], dim=1)
+    reference = model.generate(input_ids=follow, max_new_tokens=4, pad_token_id=0)
+    paged = model.generate(input_ids=follow, max_new_tokens=4, pad_token_id=0, past_key_values=cache)
+    assert torch.equal(reference, paged)
+    cache.release()
+
+
+def test_multi_turn_chat_on_smollm2_reuses_the_conversation(smollm2):
+    model, tokenizer = smollm2
+    system = "You are a concise assistant. " * 12  # a system prompt of more than 100 tokens
+    turns = ["Name a colour.", "Name a fruit of that colour.", "How many letters does it have?"]
+
+    def run(cache_kwargs):
+        messages = [{"role": "system", "content": system}]
+        replies, computed = [], []
+        cache = None
+        for question in turns:
+            messages.append({"role": "user", "content": question})
+            ids = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )["input_ids"]
+            extra = {"past_key_values": cache} if cache is not None else dict(cache_kwargs)
+            with CountTokens(model) as counter:
+                out = model.generate(
+                    input_ids=ids, max_new_tokens=16, do_sample=False, return_dict_in_generate=True, **extra
+                )
+            computed.append(counter.calls[0])
+            reply = tokenizer.decode(out.sequences[0, ids.shape[1] :], skip_special_tokens=True)
+            replies.append(reply)
+            messages.append({"role": "assistant", "content": reply})
+            if cache_kwargs:
+                cache = out.past_key_values
+        if cache is not None:
+            cache.release()
+        return replies, computed, ids.shape[1]
+
+    scratch, scratch_computed, final_length = run({})
+    paged, paged_computed, _ = run({"cache_implementation": "paged"})
+    assert paged == scratch
+    assert paged_computed[0] == scratch_computed[0]
+    assert all(p < s // 2 for p, s in zip(paged_computed[1:], scratch_computed[1:]))  # only the new turn
+    assert get_pool(model).stats().num_used == 0
+
+
+def test_shared_system_prompt_on_smollm2(smollm2):
+    model, tokenizer = smollm2
+    system = "You are a helpful assistant who answers in one short sentence. " * 20
+
+    def prompt(question):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+
+    first, second = prompt("What is the capital of Italy?"), prompt("What colour is the sky?")
+    assert first.shape[1] > 200
+    options = dict(max_new_tokens=20, do_sample=False)
+    reference = model.generate(input_ids=second, **options)
+    model.generate(input_ids=first, **options, cache_implementation="paged")
+    shared = next(i for i in range(first.shape[1]) if first[0, i] != second[0, i])
+    with CountTokens(model) as counter:
+        paged = model.generate(input_ids=second, **options, cache_implementation="paged")
+    assert torch.equal(reference, paged)
+    assert counter.calls[0] == second.shape[1] - shared // 16 * 16
+    assert get_pool(model).stats().num_used == 0
