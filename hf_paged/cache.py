@@ -217,6 +217,9 @@ class PagedCache(Cache):
             new_keys = new_keys.index_select(0, local.write_index)
             new_values = new_values.index_select(0, local.write_index)
         self.pool.storage.write(layer_idx, local.write_slots, new_keys, new_values)
+        if len(plan.layers_written) == len(self.layers):  # every layer wrote: full blocks can be found by others
+            with self.pool.allocator.lock:
+                self._cache_full_blocks(share=False)
         if plan.reads_tables:
             return key_states, value_states
         return self.read_layer(layer_idx)
@@ -316,13 +319,14 @@ class PagedCache(Cache):
                 )
         return stores, pads
 
-    def _cache_full_blocks(self) -> bool:
-        """Index the rows' full blocks by content; returns whether a table changed (a block was deduplicated)."""
+    def _cache_full_blocks(self, share: bool = True) -> bool:
+        """Index the rows' full blocks by content; returns whether a table changed (a block was deduplicated, which
+        `share=False` defers)."""
         if not self._prefix_caching:
             return False
         changed = False
         for row in self._rows:
-            changed |= row.cache_full_blocks(self.pool.allocator, self._root)
+            changed |= row.cache_full_blocks(self.pool.allocator, self._root, share)
         return changed
 
     # ------------------------------------------------------------------ prompts and prefixes

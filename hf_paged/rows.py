@@ -48,9 +48,11 @@ class Row:
             del self.tokens[kept:]
         del self.hashes[kept // block_size :]
 
-    def cache_full_blocks(self, allocator: BlockAllocator, root: bytes) -> bool:
+    def cache_full_blocks(self, allocator: BlockAllocator, root: bytes, share: bool = True) -> bool:
         """Put every full block not yet indexed into the prefix index. A block whose content is already cached in
-        another block is replaced by that one (storage shared). Returns whether the table changed."""
+        another block is replaced by that one (storage shared) when `share`; without `share` (mid-forward, when the
+        table must not change) indexing stops there and resumes on the next call. Returns whether the table
+        changed."""
         if self.tokens is None:
             return False
         size = allocator.block_size
@@ -62,6 +64,8 @@ class Row:
             own = self.table.block_ids[index]
             holder = allocator.cache_block(own, parent, tokens)
             if holder != own:
+                if not share:
+                    break
                 allocator.replace_block(self.table, index, holder)
                 changed = True
             self.hashes.append(parent)

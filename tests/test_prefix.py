@@ -7,7 +7,7 @@ import torch
 
 import hf_paged.prefix
 import hf_paged.rows
-from hf_paged import BlockAllocator, InvariantError, PagedCache, get_pool
+from hf_paged import BlockAllocator, InvariantError, PagedCache, PoolExhaustedError, get_pool
 from hf_paged.prefix import block_hash, chain, root_hash
 from hf_paged.reference_models import tiny_model
 
@@ -72,6 +72,19 @@ def test_eviction_takes_plain_free_blocks_first_then_lru_tail_before_head():
     assert table.block_ids == [4, 1, 0] and allocator.stats().evictions == 2
     assert allocator.lookup_prefix(chain(ROOT, [1, 2, 3, 4], 2)) == []
     assert allocator.lookup_prefix(chain(ROOT, [7, 8, 9, 10], 2)) == [2, 3]
+    allocator.check_invariants()
+
+
+def test_cached_blocks_in_use_are_never_evicted():
+    allocator = BlockAllocator(num_blocks=4, block_size=2)
+    held = cached_table(allocator, [1, 2, 3, 4])  # blocks 0, 1: cached and in use
+    allocator.free(cached_table(allocator, [5, 6]))  # block 2: cached, evictable
+    table = allocator.new_table()
+    allocator.append(table, 4)  # block 3 (plain free), then block 2 (evicted)
+    assert table.block_ids == [3, 2] and allocator.stats().evictions == 1
+    with pytest.raises(PoolExhaustedError, match="needs 1 more block\\(s\\) but only 0 are free"):
+        allocator.append(table, 1)
+    assert held.block_ids == [0, 1] and allocator.lookup_prefix(chain(ROOT, [1, 2, 3, 4], 2)) == [0, 1]
     allocator.check_invariants()
 
 

@@ -35,9 +35,16 @@ def test_batch_of_chat_prompts_greedy_is_identical_to_dynamic_cache(smollm2):
     assert torch.equal(reference.sequences, paged.sequences)
     assert tokenizer.batch_decode(reference.sequences) == tokenizer.batch_decode(paged.sequences)
     assert max((a - b).abs().max().item() for a, b in zip(reference.logits, paged.logits)) <= 1e-4
+    # the four prompts open with the same system prompt: after prefill its full blocks are stored once
     real_tokens = int(batch["attention_mask"].sum())
-    assert get_pool(model).stats().tokens_stored == real_tokens + 4 * 31
+    shared = get_pool(model).stats().tokens_stored
+    assert shared < real_tokens + 4 * 31
     paged.past_key_values.release()
+
+    unshared = model.generate(**kwargs, cache_implementation="paged", cache_config={"prefix_caching": False})
+    assert torch.equal(reference.sequences, unshared.sequences)
+    assert get_pool(model).stats().tokens_stored == real_tokens + 4 * 31  # every real token once, no pad stored
+    unshared.past_key_values.release()
     assert get_pool(model).stats().num_used == 0
 
 
