@@ -1,7 +1,8 @@
 """Beam search on shared copy-on-write pages vs DynamicCache: peak KV bytes, KV bytes copied per step, wall time.
 
 One prompt of `--prompt` random tokens, `--new` new tokens forced (min_new_tokens), `num_beams` in `--beams`, greedy
-beam search, run once with DynamicCache and once with cache_implementation="paged" (block size 16), side by side.
+beam search with DynamicCache and with cache_implementation="paged" (block size 16), alternating, `--repeats` times;
+wall time is the median, memory figures are the same on every run.
 
 - DynamicCache: KV bytes are the sizes of its K/V tensors, read after every update and reorder; every step its
   `reorder_cache` copies the whole cache (index_select).
@@ -16,6 +17,7 @@ Usage: python benchmarks/beam_memory.py [--models tiny smollm2] [--beams 4 8] [-
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -90,6 +92,7 @@ def main() -> None:
     parser.add_argument("--beams", nargs="+", type=int, default=[4, 8])
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     print(environment() + "\n")
     rows = []
@@ -99,8 +102,11 @@ def main() -> None:
         else:
             model, label = load_smollm2()[0], "SmolLM2-135M"
         for num_beams in args.beams:
-            dyn = run(model, num_beams, args.prompt, args.new, paged=False)
-            pag = run(model, num_beams, args.prompt, args.new, paged=True)
+            runs = {False: [], True: []}
+            for _ in range(args.repeats):
+                for paged in (False, True):
+                    runs[paged].append(run(model, num_beams, args.prompt, args.new, paged=paged))
+            dyn, pag = ((*runs[p][0][:3], statistics.median(r[3] for r in runs[p])) for p in (False, True))
             same = "yes" if torch.equal(dyn[0], pag[0]) else "NO"
             mib = 2**20
             rows.append(
