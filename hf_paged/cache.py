@@ -196,9 +196,11 @@ class PagedCache(Cache):
         layer_idx = plan.last_layer if layer_idx is None else layer_idx
         if layer_idx not in plan.layers_written:
             raise RuntimeError(f"layer {layer_idx} did not write its K/V in this forward")
-        slot_map = plan.on(self.pool.storage.device_of(layer_idx)).slot_map
+        storage = self.pool.storage
+        local = plan.on(storage.device_of(layer_idx))
         first = self.layers[layer_idx].first_visible(self._seq_length - plan.num_new)
-        return self.pool.storage.gather(layer_idx, slot_map[:, first:] if first else slot_map)
+        slot_map = local.slot_map[:, first:] if first else local.slot_map
+        return storage.gather(layer_idx, slot_map, local.head_rows(storage.keys[layer_idx].shape[2], first))
 
     def reads_tables_in_attention(self) -> bool:
         return self._plan is not None and self._plan.reads_tables
@@ -411,7 +413,7 @@ class PagedCache(Cache):
         if model is None:
             raise RuntimeError("the model of this PagedCache is gone")
         forks = []
-        options = {k: v for k, v in vars(self.cache_config).items() if v is not None}
+        options = self.cache_config.options()
         with self.pool.allocator.lock:
             self._cache_full_blocks()
             for _ in range(n or 1):

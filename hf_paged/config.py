@@ -120,6 +120,10 @@ class PagedCacheConfig:
         if self.attn_implementation is not None and not isinstance(self.attn_implementation, str):
             raise TypeError(f"cache_config attn_implementation must be a string, got {self.attn_implementation!r}")
 
+    def options(self) -> dict:
+        """The keys that were given, as `cache_config` keywords."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
     @property
     def resolved_block_size(self) -> int:
         return self.block_size if self.block_size is not None else DEFAULT_BLOCK_SIZE

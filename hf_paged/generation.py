@@ -130,7 +130,7 @@ def attention_implementation(model: torch.nn.Module, implementation: str):
 class _PagedRequest:
     """One paged `generate` call of this thread: what cache to build, and the cache built."""
 
-    def __init__(self, model: torch.nn.Module, config: PagedCacheConfig | None, input_ids=None, attention_mask=None):
+    def __init__(self, model: torch.nn.Module, config: PagedCacheConfig, input_ids=None, attention_mask=None):
         self.model = model
         self.config = config
         self.input_ids = input_ids
@@ -214,14 +214,9 @@ def _prepare_paged_cache(self, generation_config, model_kwargs, generation_mode,
         raise NotImplementedError(
             f"{type(self).__name__} keeps a recurrent state, not a KV cache; paged generation does not apply to it"
         )
-    request.cache = _new_cache(self, request.config)
+    request.cache = PagedCache(self, **request.config.options())
     if model_kwargs.get("inputs_embeds") is None:
         request.cache.start_from_prompt(request.input_ids, request.attention_mask)
     model_kwargs["past_key_values"] = request.cache
     if generation_config.is_assistant:
         request.cache.activate_past_recording()
-
-
-def _new_cache(model, config: PagedCacheConfig) -> PagedCache:
-    options = {name: value for name, value in vars(config).items() if value is not None}
-    return PagedCache(model, **options)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .allocator import BlockTable
+from .storage import head_rows
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,14 @@ class ForwardPlan:
     layers_written: set[int] = field(default_factory=set)
     last_layer: int | None = None
     _moved: dict = field(default_factory=dict)
+    _head_rows: dict = field(default_factory=dict)
+
+    def head_rows(self, num_heads: int, first: int) -> torch.Tensor:
+        """`storage.head_rows` of `slot_map[:, first:]`, computed once per forward for all layers alike."""
+        key = (num_heads, first)
+        if key not in self._head_rows:
+            self._head_rows[key] = head_rows(self.slot_map[:, first:], num_heads)
+        return self._head_rows[key]
 
     def on(self, device: torch.device) -> ForwardPlan:
         """This plan with its index tensors on `device` (for models whose layers sit on several devices)."""

@@ -79,14 +79,21 @@ class KVStorage:
         flat_keys.index_copy_(0, slots, keys)
         flat_values.index_copy_(0, slots, values)
 
-    def gather(self, layer_idx: int, slot_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the slots in `slot_map` (`[batch, length]`) as `[batch, num_kv_heads, length, head_dim]`."""
-        flat_keys, flat_values = self._flat(layer_idx)
+    def gather(
+        self, layer_idx: int, slot_map: torch.Tensor, head_index: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the slots in `slot_map` (`[batch, length]`) as contiguous `[batch, num_kv_heads, length,
+        head_dim]` tensors, read head by head (`head_index = head_rows(slot_map, num_kv_heads)` may be passed in when
+        several layers share it)."""
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        num_heads, head_dim = keys.shape[2], keys.shape[3]
+        if head_index is None:
+            head_index = head_rows(slot_map, num_heads)
         batch, length = slot_map.shape
-        index = slot_map.reshape(-1)
-        keys = flat_keys.index_select(0, index).view(batch, length, *flat_keys.shape[1:]).transpose(1, 2)
-        values = flat_values.index_select(0, index).view(batch, length, *flat_values.shape[1:]).transpose(1, 2)
-        return keys, values
+        out = []
+        for tensor in (keys, values):
+            out.append(tensor.view(-1, head_dim).index_select(0, head_index).view(batch, num_heads, length, head_dim))
+        return out[0], out[1]
 
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
         """Copy whole blocks `src -> dst` in every allocated layer (copy-on-write)."""
@@ -108,3 +115,10 @@ class KVStorage:
     def _flat(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         return keys.view(-1, *keys.shape[2:]), values.view(-1, *values.shape[2:])
+
+
+def head_rows(slot_map: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Rows of a `[slots * num_heads, head_dim]` view of a layer, in `[batch, head, position]` order: gathering them
+    yields K or V already laid out as contiguous `[batch, num_heads, length, head_dim]`."""
+    heads = torch.arange(num_heads, device=slot_map.device)
+    return (slot_map[:, None, :] * num_heads + heads[None, :, None]).reshape(-1)

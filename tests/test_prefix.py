@@ -357,3 +357,27 @@ def test_shared_system_prompt_on_smollm2(smollm2):
     assert torch.equal(reference, paged)
     assert counter.calls[0] == second.shape[1] - shared // 16 * 16
     assert get_pool(model).stats().num_used == 0
+
+
+def test_cached_prompt_meeting_beams_and_sampling_stays_exact(model):
+    prompt = torch.randint(3, 128, (2, 21))
+    options = dict(max_new_tokens=8, pad_token_id=0, return_dict_in_generate=True, output_scores=True)
+    beams = dict(num_beams=4, num_return_sequences=2)
+    reference = model.generate(input_ids=prompt, **options, **beams)
+    model.generate(input_ids=prompt, max_new_tokens=2, pad_token_id=0, cache_implementation="paged",
+                   cache_config={"block_size": 4})
+    with CountTokens(model) as counter:
+        paged = model.generate(input_ids=prompt, **options, **beams, cache_implementation="paged")
+    assert counter.calls[0] == 1  # 5 cached blocks per prompt; only the last prompt token is computed
+    assert torch.equal(reference.sequences, paged.sequences)
+    assert torch.equal(reference.sequences_scores, paged.sequences_scores)
+    paged.past_key_values.release()
+
+    torch.manual_seed(9)
+    sampled_reference = model.generate(input_ids=prompt, do_sample=True, num_return_sequences=3, max_new_tokens=6,
+                                       pad_token_id=0)
+    torch.manual_seed(9)
+    sampled = model.generate(input_ids=prompt, do_sample=True, num_return_sequences=3, max_new_tokens=6,
+                             pad_token_id=0, cache_implementation="paged")
+    assert torch.equal(sampled_reference, sampled)
+    assert get_pool(model).stats().num_used == 0
