@@ -57,8 +57,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["tiny", "smollm2"], choices=["tiny", "smollm2"])
     parser.add_argument("--contexts", nargs="+", type=int, default=[128, 512, 1024])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     print(environment() + "\n")
 

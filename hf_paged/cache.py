@@ -306,6 +306,8 @@ class PagedCache(Cache):
     def _tokens_to_store(self, attention_mask, batch: int, num_new: int) -> tuple[list[int], list[int]]:
         """New tokens each row stores, and leading pad positions each row adds (pads before its first real token)."""
         stores, pads = [num_new] * batch, [0] * batch
+        if all(row.table.num_tokens for row in self._rows):
+            return stores, pads  # every row is past its left padding: all new tokens are stored
         if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[-1] >= num_new:
             if attention_mask.shape[0] != batch:
                 raise ValueError(f"attention_mask has {attention_mask.shape[0]} rows but the batch has {batch}")
