@@ -23,6 +23,7 @@ from contextlib import contextmanager
 
 import torch
 from transformers import AttentionInterface, GenerationConfig
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerationMixin
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils import ModelOutput
@@ -36,6 +37,14 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_TRANSFORMERS = (">=5.23", "<5.24")
 PAGED = "paged"
+# Decoding loops whose prefill feeds only the prompt positions the cache does not hold yet; the others (assisted
+# decoding feeds the whole prompt on its first iteration) must start from an empty cache.
+_MODES_THAT_SLICE_A_STARTED_CACHE = {
+    GenerationMode.GREEDY_SEARCH,
+    GenerationMode.SAMPLE,
+    GenerationMode.BEAM_SEARCH,
+    GenerationMode.BEAM_SAMPLE,
+}
 
 _original_generate = GenerationMixin.generate
 _original_prepare_cache = GenerationMixin._prepare_cache_for_generation
@@ -215,7 +224,7 @@ def _prepare_paged_cache(self, generation_config, model_kwargs, generation_mode,
             f"{type(self).__name__} keeps a recurrent state, not a KV cache; paged generation does not apply to it"
         )
     request.cache = PagedCache(self, **request.config.options())
-    if model_kwargs.get("inputs_embeds") is None:
+    if model_kwargs.get("inputs_embeds") is None and generation_mode in _MODES_THAT_SLICE_A_STARTED_CACHE:
         request.cache.start_from_prompt(request.input_ids, request.attention_mask)
     model_kwargs["past_key_values"] = request.cache
     if generation_config.is_assistant:
