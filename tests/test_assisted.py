@@ -18,8 +18,9 @@ def test_prompt_lookup_and_assistant_model_match_greedy(cached_prompt):
     greedy = model.generate(**options)
     if cached_prompt:  # assisted decoding prefills the whole prompt: a cached prefix must not be taken
         model.generate(**options, cache_implementation="paged", cache_config={"block_size": 4})
-    lookup = model.generate(**options, prompt_lookup_num_tokens=3, cache_implementation="paged",
-                            cache_config={"block_size": 4})
+    lookup = model.generate(
+        **options, prompt_lookup_num_tokens=3, cache_implementation="paged", cache_config={"block_size": 4}
+    )
     assisted = model.generate(**options, assistant_model=assistant, cache_implementation="paged")
     assert torch.equal(greedy, lookup) and torch.equal(greedy, assisted)
     assert get_pool(model).stats().num_used == 0

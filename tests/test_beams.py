@@ -57,8 +57,7 @@ def test_beam_search_is_token_and_score_identical(family_model, case):
 def test_sampling_with_num_return_sequences_is_identical():
     model = tiny_model("llama")
     input_ids, attention_mask = left_padded_batch(LENGTHS, seed=21)
-    torch.manual_seed(3)
-    reference = model.generate(
+    options = dict(
         input_ids=input_ids,
         attention_mask=attention_mask,
         do_sample=True,
@@ -68,17 +67,9 @@ def test_sampling_with_num_return_sequences_is_identical():
         pad_token_id=0,
     )
     torch.manual_seed(3)
-    paged = model.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        do_sample=True,
-        top_k=30,
-        num_return_sequences=4,
-        max_new_tokens=16,
-        pad_token_id=0,
-        cache_implementation="paged",
-        cache_config={"block_size": 4},
-    )
+    reference = model.generate(**options)
+    torch.manual_seed(3)
+    paged = model.generate(**options, cache_implementation="paged", cache_config={"block_size": 4})
     assert torch.equal(reference, paged)
     stats = get_pool(model).last_cache_stats
     # prompts of 5 and 11 tokens end in a partial block, copied by 3 of its 4 rows; 8 tokens fill their blocks

@@ -364,8 +364,9 @@ def test_cached_prompt_meeting_beams_and_sampling_stays_exact(model):
     options = dict(max_new_tokens=8, pad_token_id=0, return_dict_in_generate=True, output_scores=True)
     beams = dict(num_beams=4, num_return_sequences=2)
     reference = model.generate(input_ids=prompt, **options, **beams)
-    model.generate(input_ids=prompt, max_new_tokens=2, pad_token_id=0, cache_implementation="paged",
-                   cache_config={"block_size": 4})
+    model.generate(
+        input_ids=prompt, max_new_tokens=2, pad_token_id=0, cache_implementation="paged", cache_config={"block_size": 4}
+    )
     with CountTokens(model) as counter:
         paged = model.generate(input_ids=prompt, **options, **beams, cache_implementation="paged")
     assert counter.calls[0] == 1  # 5 cached blocks per prompt; only the last prompt token is computed
@@ -374,10 +375,17 @@ def test_cached_prompt_meeting_beams_and_sampling_stays_exact(model):
     paged.past_key_values.release()
 
     torch.manual_seed(9)
-    sampled_reference = model.generate(input_ids=prompt, do_sample=True, num_return_sequences=3, max_new_tokens=6,
-                                       pad_token_id=0)
+    sampled_reference = model.generate(
+        input_ids=prompt, do_sample=True, num_return_sequences=3, max_new_tokens=6, pad_token_id=0
+    )
     torch.manual_seed(9)
-    sampled = model.generate(input_ids=prompt, do_sample=True, num_return_sequences=3, max_new_tokens=6,
-                             pad_token_id=0, cache_implementation="paged")
+    sampled = model.generate(
+        input_ids=prompt,
+        do_sample=True,
+        num_return_sequences=3,
+        max_new_tokens=6,
+        pad_token_id=0,
+        cache_implementation="paged",
+    )
     assert torch.equal(sampled_reference, sampled)
     assert get_pool(model).stats().num_used == 0
