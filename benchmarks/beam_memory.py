@@ -21,11 +21,10 @@ import statistics
 import time
 
 import torch
-from common import environment, markdown_table
+from common import environment, load_model, markdown_table
 from transformers import DynamicCache
 
 import hf_paged
-from hf_paged.reference_models import load_smollm2, tiny_model
 
 
 class KVMeter:
@@ -97,10 +96,7 @@ def main() -> None:
     print(environment() + "\n")
     rows = []
     for name in args.models:
-        if name == "tiny":
-            model, label = tiny_model("llama", max_position_embeddings=4096), "tiny Llama"
-        else:
-            model, label = load_smollm2()[0], "SmolLM2-135M"
+        model, label = load_model(name)
         for num_beams in args.beams:
             runs = {False: [], True: []}
             for _ in range(args.repeats):

@@ -17,6 +17,15 @@ def environment() -> str:
     )
 
 
+def load_model(name: str):
+    """`(model, label)` for a benchmark model name: "tiny" (a 2-layer Llama, width 64) or "smollm2" (SmolLM2-135M)."""
+    from hf_paged.reference_models import load_smollm2, tiny_model
+
+    if name == "tiny":
+        return tiny_model("llama", max_position_embeddings=4096), "tiny Llama (2 layers, width 64)"
+    return load_smollm2()[0], "SmolLM2-135M (fp32)"
+
+
 def markdown_table(headers: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]

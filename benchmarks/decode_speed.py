@@ -14,10 +14,9 @@ import statistics
 import time
 
 import torch
-from common import environment, markdown_table
+from common import environment, load_model, markdown_table
 
 import hf_paged  # noqa: F401  (registers cache_implementation="paged")
-from hf_paged.reference_models import load_smollm2, tiny_model
 
 CACHES = {"DynamicCache": {}, "paged": {"cache_implementation": "paged"}}
 
@@ -64,12 +63,7 @@ def main() -> None:
 
     rows = []
     for name in args.models:
-        if name == "tiny":
-            model = tiny_model("llama", max_position_embeddings=4096)
-            label = "tiny Llama (2 layers, width 64)"
-        else:
-            model, _ = load_smollm2()
-            label = "SmolLM2-135M (fp32)"
+        model, label = load_model(name)
         for batch in args.batches:
             for context in args.contexts:
                 speed = measure(model, batch, context, args.new_tokens, args.repeats)

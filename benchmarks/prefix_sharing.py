@@ -17,11 +17,20 @@ import statistics
 import time
 
 import torch
-from common import environment, markdown_table
+from common import environment, load_model, markdown_table
 
 import hf_paged
-from hf_paged.reference_models import load_smollm2, tiny_model
 
+HEADERS = [
+    "model",
+    "cache",
+    "prefill tokens",
+    "vs Dynamic",
+    "TTFT ms (median)",
+    "TTFT speed-up",
+    "KV blocks held (16 kept)",
+    "same first tokens",
+]
 VARIANTS = {
     "DynamicCache": {},
     "paged, no prefix cache": {"cache_implementation": "paged", "cache_config": {"prefix_caching": False}},
@@ -68,10 +77,7 @@ def main() -> None:
     print(environment() + "\n")
     rows = []
     for name in args.models:
-        if name == "tiny":
-            model, label = tiny_model("llama", max_position_embeddings=4096), "tiny Llama"
-        else:
-            model, label = load_smollm2()[0], "SmolLM2-135M"
+        model, label = load_model(name)
         generator = torch.Generator().manual_seed(0)
         vocab = model.config.vocab_size
         prefix = torch.randint(3, vocab, (1, args.prefix), generator=generator)
