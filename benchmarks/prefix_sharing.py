@@ -105,16 +105,7 @@ def main() -> None:
             )
         print(
             markdown_table(
-                [
-                    "model",
-                    "cache",
-                    "prefill tokens",
-                    "vs Dynamic",
-                    "TTFT ms (median)",
-                    "TTFT speed-up",
-                    "KV blocks held (16 kept)",
-                    "same first tokens",
-                ],
+                HEADERS,
                 rows[-3:],
             ),
             flush=True,
@@ -122,16 +113,7 @@ def main() -> None:
     print()
     print(
         markdown_table(
-            [
-                "model",
-                "cache",
-                "prefill tokens",
-                "vs Dynamic",
-                "TTFT ms (median)",
-                "TTFT speed-up",
-                "KV blocks held (16 kept)",
-                "same first tokens",
-            ],
+            HEADERS,
             rows,
         )
     )

@@ -25,6 +25,7 @@ __all__ = [
     "BlockCopy",
     "BlockPool",
     "BlockTable",
+    "CacheStats",
     "Footprint",
     "InvariantError",
     "KVShape",
