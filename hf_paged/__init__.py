@@ -7,10 +7,11 @@ run on a `PagedCache` backed by the model's global block pool.
 from .accounting import Footprint, naive_footprint, paged_footprint
 from .allocator import AllocatorStats, BlockAllocator, BlockCopy, BlockTable
 from .attention import ATTENTION_NAME, paged_attention_forward
-from .cache import PagedCache, PagedLayer
+from .cache import CacheStats, PagedCache
 from .config import PagedCacheConfig, parse_memory
 from .errors import InvariantError, PoolExhaustedError
 from .generation import attention_implementation, disable, enable, is_enabled
+from .layer import PagedLayer
 from .pool import BlockPool, KVShape, get_pool, live_pools, release_pool
 from .storage import KVStorage
 
