@@ -9,6 +9,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from hf_paged import BlockAllocator, BlockCopy, InvariantError, PoolExhaustedError
 from hf_paged.accounting import naive_footprint, paged_footprint
+from hf_paged.prefix import chain, root_hash
+
+ROOT = root_hash(b"state machine")
 
 
 def snapshot(allocator: BlockAllocator):
@@ -257,34 +260,35 @@ def test_check_invariants_catches_a_leak():
 
 # ---------------------------------------------------------------------- property test: a state machine
 class AllocatorMachine(RuleBasedStateMachine):
-    """Random new/append/fork/crop/free against a reference model of each table's token count and sharing."""
+    """Random new/append/fork/crop/free and prefix-cache index/reuse, checked against a reference model of each
+    table's token ids: every cached block a table holds must carry exactly that table's tokens."""
 
     def __init__(self):
         super().__init__()
         self.allocator = BlockAllocator(num_blocks=24, block_size=3)
         self.tables = []  # live tables
-        self.expected_tokens = {}  # table_id -> tokens
+        self.tokens = {}  # table_id -> token ids (the reference contents)
 
     @rule()
     def new_table(self):
         table = self.allocator.new_table()
         self.tables.append(table)
-        self.expected_tokens[table.table_id] = 0
+        self.tokens[table.table_id] = []
 
     @precondition(lambda self: self.tables)
-    @rule(index=st.integers(0, 1000), count=st.integers(0, 10))
-    def append(self, index, count):
+    @rule(index=st.integers(0, 1000), new=st.lists(st.integers(0, 2), max_size=10))
+    def append(self, index, new):
         table = self.tables[index % len(self.tables)]
         free_before = self.allocator.num_free
-        needed = self.allocator.num_blocks_needed(table, count)
+        needed = self.allocator.num_blocks_needed(table, len(new))
         try:
-            copies = self.allocator.append(table, count)
+            copies = self.allocator.append(table, len(new))
         except PoolExhaustedError:
             assert needed > free_before and self.allocator.num_free == free_before
             return
         assert free_before - self.allocator.num_free == needed
         assert len(copies) <= 1
-        self.expected_tokens[table.table_id] += count
+        self.tokens[table.table_id] += new
 
     @precondition(lambda self: self.tables)
     @rule(index=st.integers(0, 1000))
@@ -294,7 +298,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         child = self.allocator.fork(parent)
         assert self.allocator.num_used == used
         self.tables.append(child)
-        self.expected_tokens[child.table_id] = parent.num_tokens
+        self.tokens[child.table_id] = list(self.tokens[parent.table_id])
 
     @precondition(lambda self: self.tables)
     @rule(index=st.integers(0, 1000), keep=st.integers(0, 30))
@@ -302,20 +306,43 @@ class AllocatorMachine(RuleBasedStateMachine):
         table = self.tables[index % len(self.tables)]
         keep = min(keep, table.num_tokens)
         self.allocator.crop(table, keep)
-        self.expected_tokens[table.table_id] = keep
+        del self.tokens[table.table_id][keep:]
 
     @precondition(lambda self: self.tables)
     @rule(index=st.integers(0, 1000))
     def free(self, index):
         table = self.tables.pop(index % len(self.tables))
         self.allocator.free(table)
-        del self.expected_tokens[table.table_id]
+        del self.tokens[table.table_id]
+
+    @precondition(lambda self: self.tables)
+    @rule(index=st.integers(0, 1000))
+    def index_full_blocks(self, index):
+        table = self.tables[index % len(self.tables)]
+        size = self.allocator.block_size
+        for position, (block_hash, block_tokens) in enumerate(chain(ROOT, self.tokens[table.table_id], size)):
+            holder = self.allocator.cache_block(table.block_ids[position], block_hash, block_tokens)
+            if holder != table.block_ids[position]:
+                self.allocator.replace_block(table, position, holder)
+
+    @rule(prompt=st.lists(st.integers(0, 2), max_size=12))
+    def reuse_cached_prefix(self, prompt):
+        found = self.allocator.lookup_prefix(chain(ROOT, prompt, self.allocator.block_size))
+        table = self.allocator.new_table()
+        self.allocator.share_cached(table, found)
+        self.tables.append(table)
+        self.tokens[table.table_id] = prompt[: len(found) * self.allocator.block_size]
 
     @invariant()
     def consistent(self):
         self.allocator.check_invariants()
+        size = self.allocator.block_size
         for table in self.tables:
-            assert table.num_tokens == self.expected_tokens[table.table_id]
+            tokens = self.tokens[table.table_id]
+            assert table.num_tokens == len(tokens)
+            for position, block_id in enumerate(table.block_ids[: len(tokens) // size]):
+                cached = self.allocator._block_tokens.get(block_id)
+                assert cached is None or list(cached) == tokens[position * size : (position + 1) * size]
         stats = self.allocator.stats()
         assert stats.num_free + stats.num_used == stats.num_blocks
         assert 0 <= stats.waste_fraction < 1
@@ -328,4 +355,4 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 TestAllocatorMachine = AllocatorMachine.TestCase
-TestAllocatorMachine.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
+TestAllocatorMachine.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)

@@ -408,3 +408,30 @@ def test_disable_restores_stock_generate_and_enable_is_idempotent(llama):
     input_ids = torch.randint(3, 128, (1, 5))
     out = llama.generate(input_ids=input_ids, max_new_tokens=3, pad_token_id=0, cache_implementation="paged")
     assert out.shape == (1, 8)
+
+
+def test_keyboard_interrupt_mid_decode_returns_every_block_and_the_next_call_works(llama):
+    input_ids, attention_mask = left_padded_batch(LENGTHS, seed=23)
+    calls = []
+
+    def interrupt_on_third_forward(module, args, kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+
+    handle = llama.register_forward_pre_hook(interrupt_on_third_forward, with_kwargs=True)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llama.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=8,
+                pad_token_id=0,
+                cache_implementation="paged",
+            )
+    finally:
+        handle.remove()
+    assert get_pool(llama).stats().num_used == 0 and llama.config._attn_implementation == "sdpa"
+    reference, paged = generate_pair(llama, input_ids=input_ids, attention_mask=attention_mask)
+    assert torch.equal(reference.sequences, paged.sequences)
+    release(paged)
