@@ -109,6 +109,7 @@ class PagedCache(Cache):
         self._pending: ForwardInputs | None = None
         self._cow_copies = 0
         self._peak_blocks = 0
+        self._layers_per_forward = 0  # most layers seen writing in one forward
         self._prefix_reused = 0
         self._released = False
         self._finalizer = weakref.finalize(self, _free_rows, self.pool.allocator, self._rows)
@@ -178,7 +179,7 @@ class PagedCache(Cache):
     # ------------------------------------------------------------------ forward protocol
     def bind_forward(self, model: torch.nn.Module, inputs: ForwardInputs) -> None:
         """Called before each forward of `model` (by the forward pre-hook hf_paged installs) with its inputs."""
-        self._check_open()
+        self._settle()
         owner = self._model_ref()
         if owner is not model:
             raise ValueError(
@@ -227,7 +228,7 @@ class PagedCache(Cache):
         return self.read_layer(layer_idx)
 
     def _plan_forward(self, key_states: torch.Tensor) -> ForwardPlan:
-        self._check_open()
+        self._settle()
         batch, num_new = key_states.shape[0], key_states.shape[-2]
         inputs = self._pending or ForwardInputs()
         self._pending = None
@@ -281,6 +282,23 @@ class PagedCache(Cache):
                     writers,
                 )
         return self._plan
+
+    def _forget_unfinished_forward(self) -> None:
+        """If the last forward stopped before every layer wrote (an exception inside the model), drop its tokens:
+        some layers never stored their K/V for them."""
+        previous = self._plan
+        if previous is None:
+            return
+        written = len(previous.layers_written)
+        if written < self._layers_per_forward:
+            logger.warning(
+                "hf_paged: the last forward stopped after %d of %d layers; its tokens are dropped",
+                written,
+                self._layers_per_forward,
+            )
+            self._truncate(self._seq_length - previous.num_new)
+            return
+        self._layers_per_forward = max(self._layers_per_forward, written)
 
     def _new_token_ids(self, inputs: ForwardInputs, batch: int, num_new: int) -> list[list[int]] | None:
         ids = inputs.input_ids
@@ -345,7 +363,7 @@ class PagedCache(Cache):
 
         At least one position is always left to compute (`generate` needs the last prompt token's logits).
         """
-        self._check_open()
+        self._settle()
         if input_ids is None or input_ids.dim() != 2 or not self._prefix_caching:
             return 0
         batch, width = input_ids.shape
@@ -408,7 +426,7 @@ class PagedCache(Cache):
 
         Returns one `PagedCache`, or a list of `n` of them when `n` is given.
         """
-        self._check_open()
+        self._settle()
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ValueError(f"fork(n): n must be a positive int, got {n!r}")
         model = self._model_ref()
@@ -438,7 +456,7 @@ class PagedCache(Cache):
         self._select_rows([row for row in range(len(self._rows)) for _ in range(repeats)], "batch_repeat_interleave")
 
     def _select_rows(self, sources: list[int], caller: str) -> None:
-        self._check_open()
+        self._settle()
         if not self._rows:
             return
         bad = [i for i in sources if not 0 <= i < len(self._rows)]
@@ -454,7 +472,7 @@ class PagedCache(Cache):
     def crop(self, max_length: int) -> None:
         """Remove the last `-max_length` positions (a negative number, as in transformers); blocks that become
         empty go back to the pool."""
-        self._check_open()
+        self._settle()
         if max_length > 0:
             raise ValueError(
                 f"crop({max_length}): pass a negative number of positions to remove (or 0); positive values are "
@@ -462,12 +480,15 @@ class PagedCache(Cache):
             )
         if -max_length > self._seq_length:
             raise ValueError(f"crop({max_length}) would remove more than the {self._seq_length} cached positions")
-        new_length = self._seq_length + max_length
-        allocator = self.pool.allocator
-        with allocator.lock:
+        with self.pool.allocator.lock:
             self._cache_full_blocks()
-            for row in self._rows:
-                row.crop(allocator, new_length, allocator.block_size)
+            self._truncate(self._seq_length + max_length)
+
+    def _truncate(self, new_length: int) -> None:
+        """Keep the first `new_length` padded positions of every row."""
+        allocator = self.pool.allocator
+        for row in self._rows:
+            row.crop(allocator, new_length, allocator.block_size)
         self._seq_length = new_length
         self._plan = None
 
@@ -476,7 +497,7 @@ class PagedCache(Cache):
 
     def reset(self) -> None:
         """Return every block to the pool (full ones stay cached by content) and empty the cache for reuse."""
-        self._check_open()
+        self._settle()
         with self.pool.allocator.lock:
             self._cache_full_blocks()
             _free_rows(self.pool.allocator, self._rows)
@@ -487,11 +508,17 @@ class PagedCache(Cache):
     def release(self) -> None:
         """Return every block to the pool for good; using the cache afterwards raises. The cache's final `stats()`
         stay readable as `pool.last_cache_stats`."""
-        self._check_open()
+        self._settle()
         self.pool.last_cache_stats = self.stats()
         self.reset()
         self._released = True
         self._finalizer.detach()
+
+    def _settle(self) -> None:
+        """Refuse a released cache, and drop what an interrupted forward left behind (every public entry point)."""
+        self._check_open()
+        with self.pool.allocator.lock:
+            self._forget_unfinished_forward()
 
     def _check_open(self) -> None:
         if self._released:

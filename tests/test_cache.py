@@ -169,3 +169,27 @@ def test_encoder_decoder_models_are_refused():
     t5 = T5ForConditionalGeneration(T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, vocab_size=64, d_kv=16))
     with pytest.raises(NotImplementedError, match="T5ForConditionalGeneration is an encoder-decoder model"):
         PagedCache(t5)
+
+
+def test_a_forward_that_fails_midway_is_forgotten_by_the_next_one(model):
+    prompt = torch.randint(3, 128, (2, 9))
+    reference = model.generate(input_ids=prompt, max_new_tokens=6, pad_token_id=0)
+    cache = PagedCache(model, block_size=4)
+    with torch.no_grad():
+        model(input_ids=prompt[:, :5], past_key_values=cache)
+    broken = model.model.layers[1].self_attn
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("layer 1 failed")
+
+    broken.forward = boom
+    try:
+        with pytest.raises(RuntimeError, match="layer 1 failed"):
+            with torch.no_grad():
+                model(input_ids=prompt[:, 5:], past_key_values=cache)  # layer 0 wrote 4 tokens, layer 1 none
+    finally:
+        del broken.forward
+    assert cache.get_seq_length() == 9  # the failed forward's tokens are still counted ...
+    paged = model.generate(input_ids=prompt, max_new_tokens=6, pad_token_id=0, past_key_values=cache)
+    assert torch.equal(reference, paged)  # ... until the next forward drops them and recomputes
+    cache.release()
