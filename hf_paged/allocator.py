@@ -22,6 +22,17 @@ def _num_blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def tokens_per_block(tables, block_size: int) -> dict[int, int]:
+    """Tokens each distinct block of `tables` holds (a block shared by several tables counts once, at the most any
+    of them holds in it)."""
+    held: dict[int, int] = {}
+    for table in tables:
+        for index, block_id in enumerate(table.block_ids):
+            tokens = min(block_size, table.num_tokens - index * block_size)
+            held[block_id] = max(held.get(block_id, 0), tokens)
+    return held
+
+
 @dataclass(eq=False)
 class BlockTable:
     """Logical → physical block mapping of one sequence.
@@ -378,12 +389,7 @@ class BlockAllocator:
     # ------------------------------------------------------------------ accounting
     def stats(self) -> AllocatorStats:
         with self.lock:
-            tokens_in_block: dict[int, int] = {}
-            for table in self._tables.values():
-                for index, block_id in enumerate(table.block_ids):
-                    held = min(self.block_size, table.num_tokens - index * self.block_size)
-                    tokens_in_block[block_id] = max(tokens_in_block.get(block_id, 0), held)
-            tokens = sum(tokens_in_block.values())
+            tokens = sum(tokens_per_block(self._tables.values(), self.block_size).values())
             slots = self.num_used * self.block_size
             return AllocatorStats(
                 num_blocks=self.num_blocks,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
-from .allocator import BlockAllocator
+from .allocator import BlockAllocator, tokens_per_block
 from .config import PagedCacheConfig
 from .layer import PagedLayer, layer_windows
 from .plan import ForwardInputs, ForwardPlan, duplicate_row_leaders, extend_plan, plan_forward
@@ -142,11 +142,7 @@ class PagedCache(Cache):
     def stats(self) -> CacheStats:
         """This cache's use of the pool (see `CacheStats`)."""
         block_size = self.pool.block_size
-        held: dict[int, int] = {}
-        for row in self._rows:
-            for index, block_id in enumerate(row.table.block_ids):
-                tokens = min(block_size, row.table.num_tokens - index * block_size)
-                held[block_id] = max(held.get(block_id, 0), tokens)
+        held = tokens_per_block(self.row_tables, block_size)
         return CacheStats(
             num_rows=len(self._rows),
             seq_length=self._seq_length,
@@ -157,6 +153,10 @@ class PagedCache(Cache):
             prefix_tokens_reused=self._prefix_reused,
             block_size=block_size,
         )
+
+    def _note_peak_blocks(self) -> None:
+        distinct = {block_id for row in self._rows for block_id in row.table.block_ids}
+        self._peak_blocks = max(self._peak_blocks, len(distinct))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The padded length, equal for every row."""
@@ -264,8 +264,7 @@ class PagedCache(Cache):
             self.pool.storage.copy_blocks(copies)
             self._cow_copies += len(copies)
             if allocator.num_free != free_before:
-                distinct = {block_id for row in self._rows for block_id in row.table.block_ids}
-                self._peak_blocks = max(self._peak_blocks, len(distinct))
+                self._note_peak_blocks()
             tables = [row.table for row in self._rows]
             previous = self._plan
             if previous is not None and not created and not copies and not any(pads):
@@ -396,7 +395,7 @@ class PagedCache(Cache):
             self._rows.append(row)
         self._seq_length = pads[0] + num_blocks * size
         self._prefix_reused += len(tokens) * num_blocks * size
-        self._peak_blocks = max(self._peak_blocks, len({b for blocks in found for b in blocks[:num_blocks]}))
+        self._note_peak_blocks()
         return self._seq_length
 
     def _align_to_prompt(self, pads: list[int], tokens: list[list[int]], width: int) -> int:
@@ -440,7 +439,7 @@ class PagedCache(Cache):
                 twin = PagedCache(model, **options)
                 twin._rows.extend(row.fork(self.pool.allocator) for row in self._rows)
                 twin._seq_length = self._seq_length
-                twin._peak_blocks = len({b for row in self._rows for b in row.table.block_ids})
+                twin._note_peak_blocks()
                 forks.append(twin)
         return forks[0] if n is None else forks
 
@@ -488,7 +487,7 @@ class PagedCache(Cache):
         """Keep the first `new_length` padded positions of every row."""
         allocator = self.pool.allocator
         for row in self._rows:
-            row.crop(allocator, new_length, allocator.block_size)
+            row.crop(allocator, new_length)
         self._seq_length = new_length
         self._plan = None
 

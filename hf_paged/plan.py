@@ -78,7 +78,8 @@ def plan_forward(
     )
     pads = torch.tensor(leading_pads, dtype=torch.long, device=device)
     logical = torch.arange(length, device=device)[None, :] - pads[:, None]
-    slot_map = blocks.gather(1, logical.clamp(min=0) // block_size) * block_size + logical.clamp(min=0) % block_size
+    position = logical.clamp(min=0)  # pad positions read the row's first slot
+    slot_map = blocks.gather(1, position // block_size) * block_size + position % block_size
     write_slots = slot_map[:, length - num_new :].reshape(-1)
     if max(leading_pads) <= length - num_new and writers is None:
         return ForwardPlan(slot_map, write_slots, None, reads_tables, num_new)

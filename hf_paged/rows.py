@@ -39,14 +39,14 @@ class Row:
         else:
             self.tokens.extend(new_tokens)
 
-    def crop(self, allocator: BlockAllocator, length: int, block_size: int) -> None:
+    def crop(self, allocator: BlockAllocator, length: int) -> None:
         """Keep the first `length` padded positions."""
         self.leading_pads = min(self.leading_pads, length)
         kept = length - self.leading_pads
         allocator.crop(self.table, kept)
         if self.tokens is not None:
             del self.tokens[kept:]
-        del self.hashes[kept // block_size :]
+        del self.hashes[kept // allocator.block_size :]
 
     def cache_full_blocks(self, allocator: BlockAllocator, root: bytes, share: bool = True) -> bool:
         """Put every full block not yet indexed into the prefix index. A block whose content is already cached in

@@ -106,9 +106,6 @@ class KVStorage:
             values = self.values[layer_idx]
             values.index_copy_(0, dst, values.index_select(0, src))
 
-    def has_layer(self, layer_idx: int) -> bool:
-        return layer_idx in self.keys
-
     def device_of(self, layer_idx: int) -> torch.device:
         return self.keys[layer_idx].device
 
