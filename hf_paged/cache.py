@@ -14,7 +14,7 @@ from .config import PagedCacheConfig
 from .layer import PagedLayer, layer_windows
 from .plan import ForwardInputs, ForwardPlan, duplicate_row_leaders, extend_plan, plan_forward
 from .pool import BlockPool, get_pool
-from .prefix import chain, prefix_namespace, root_hash
+from .prefix import prefix_namespace, root_hash
 from .rows import Row
 
 logger = logging.getLogger(__name__)
@@ -107,6 +107,7 @@ class PagedCache(Cache):
         self._seq_length = 0
         self._plan: ForwardPlan | None = None
         self._pending: ForwardInputs | None = None
+        self._scheduled: list[int] | None = None  # tokens each row stores in the next forward (`schedule`)
         self._cow_copies = 0
         self._peak_blocks = 0
         self._layers_per_forward = 0  # most layers seen writing in one forward
@@ -231,15 +232,18 @@ class PagedCache(Cache):
         self._settle()
         batch, num_new = key_states.shape[0], key_states.shape[-2]
         inputs = self._pending or ForwardInputs()
-        self._pending = None
+        scheduled, self._pending, self._scheduled = self._scheduled, None, None
         allocator = self.pool.allocator
         with allocator.lock:
             if self._cache_full_blocks():  # the last forward's full blocks: every layer has written them now
                 self._plan = None
             free_before = allocator.num_free
-            created = self._ensure_rows(batch)
+            created = False if scheduled is not None else self._ensure_rows(batch)
             try:
-                stores, pads = self._tokens_to_store(inputs.attention_mask, batch, num_new)
+                if scheduled is not None:
+                    stores, pads = self._check_scheduled(scheduled, batch, num_new), [0] * batch
+                else:
+                    stores, pads = self._tokens_to_store(inputs.attention_mask, batch, num_new)
                 leaders = duplicate_row_leaders(inputs, batch, num_new) if created else None
                 writers = None if leaders is None else [leader == row for row, leader in enumerate(leaders)]
                 requests = [
@@ -267,7 +271,8 @@ class PagedCache(Cache):
                 self._note_peak_blocks()
             tables = [row.table for row in self._rows]
             previous = self._plan
-            if previous is not None and not created and not copies and not any(pads):
+            appended_only = not created and not copies and not any(pads) and min(stores) == num_new
+            if previous is not None and appended_only:
                 self._plan = extend_plan(previous, tables, allocator.block_size, num_new, inputs.reads_tables)
             else:
                 self._plan = plan_forward(
@@ -278,9 +283,18 @@ class PagedCache(Cache):
                     num_new,
                     key_states.device,
                     inputs.reads_tables,
+                    stores,
                     writers,
                 )
         return self._plan
+
+    def _check_scheduled(self, scheduled: list[int], batch: int, num_new: int) -> list[int]:
+        if len(scheduled) != batch or max(scheduled) > num_new:
+            raise ValueError(
+                f"the forward has {batch} row(s) x {num_new} new position(s) but {len(scheduled)} row(s) storing up "
+                f"to {max(scheduled)} token(s) were scheduled"
+            )
+        return scheduled
 
     def _forget_unfinished_forward(self) -> None:
         """If the last forward stopped before every layer wrote (an exception inside the model), drop its tokens:
@@ -379,22 +393,18 @@ class PagedCache(Cache):
     def _reuse_cached_prefix(self, pads: list[int], tokens: list[list[int]]) -> int:
         if len(set(pads)) != 1:
             return 0
-        allocator, size = self.pool.allocator, self.pool.block_size
-        chains, found = [], []
-        for row_tokens in tokens:
-            usable = (len(row_tokens) - 1) // size * size
-            chains.append(chain(self._root, row_tokens[:usable], size))
-            found.append(allocator.lookup_prefix(chains[-1]))
-        num_blocks = min(len(blocks) for blocks in found)
-        if num_blocks == 0:
+        allocator = self.pool.allocator
+        rows = [Row.from_prefix_cache(allocator, self._root, row_tokens) for row_tokens in tokens]
+        num_tokens = min(row.table.num_tokens for row in rows)
+        if num_tokens == 0:
+            _free_rows(allocator, rows)
             return 0
-        for row_tokens, row_chain, blocks in zip(tokens, chains, found):
-            row = Row(allocator.new_table(), pads[0], row_tokens[: num_blocks * size], [h for h, _ in row_chain])
-            del row.hashes[num_blocks:]
-            allocator.share_cached(row.table, blocks[:num_blocks])
-            self._rows.append(row)
-        self._seq_length = pads[0] + num_blocks * size
-        self._prefix_reused += len(tokens) * num_blocks * size
+        for row in rows:
+            row.crop(allocator, num_tokens)
+            row.leading_pads = pads[0]
+        self._rows.extend(rows)
+        self._seq_length = pads[0] + num_tokens
+        self._prefix_reused += len(tokens) * num_tokens
         self._note_peak_blocks()
         return self._seq_length
 
@@ -442,6 +452,44 @@ class PagedCache(Cache):
                 twin._note_peak_blocks()
                 forks.append(twin)
         return forks[0] if n is None else forks
+
+    # ------------------------------------------------------------------ continuous batching
+    def schedule(self, rows: list[Row], new_tokens: list[int]) -> list[int]:
+        """Run the next forward on `rows`, which the caller owns (the `Engine`'s requests), row `i` storing
+        `new_tokens[i]` new tokens.
+
+        The forward's layout right-aligns the rows: its padded length is `max(row tokens + new tokens)` and it
+        computes the last `max(new_tokens)` positions; positions a row already holds inside that window are
+        recomputed but not written again. Returns each row's left padding in that layout (the caller builds the
+        matching `input_ids`, `attention_mask` and `position_ids`). Call `detach_rows()` before freeing rows.
+        """
+        self._settle()
+        if not rows or len(rows) != len(new_tokens) or min(new_tokens) < 1:
+            raise ValueError(
+                f"schedule needs one positive new-token count per row, got {len(rows)} row(s) and {new_tokens}"
+            )
+        totals = [row.table.num_tokens + count for row, count in zip(rows, new_tokens)]
+        length = max(totals)
+        pads = [length - total for total in totals]
+        unchanged = len(rows) == len(self._rows) and all(
+            new is old and new.leading_pads == pad for new, old, pad in zip(rows, self._rows, pads)
+        )
+        if not unchanged:
+            self._plan = None
+        for row, pad in zip(rows, pads):
+            row.leading_pads = pad
+        self._rows[:] = rows
+        self._seq_length = length - max(new_tokens)
+        self._scheduled = list(new_tokens)
+        return pads
+
+    def detach_rows(self) -> None:
+        """Forget the rows given to `schedule` without freeing their blocks (their owner frees them)."""
+        self._rows.clear()
+        self._seq_length = 0
+        self._plan = None
+        self._pending = None
+        self._scheduled = None
 
     # ------------------------------------------------------------------ row operations used by generate
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
