@@ -131,18 +131,19 @@ class Engine:
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its blocks; returns its last output (`None` if unknown or already done)."""
+        """Stop a request now and free its blocks; returns its output (`None` if unknown or already done). The next
+        `step()` reports it as finished too (for `stream`)."""
         with self._lock:
             request = self._requests.get(request_id)
             if request is None or request.finished:
                 return None
             self.scheduler.finish(request, "abort")
-            del self._requests[request_id]
-            return request.output()
+            return request.output()  # the next step() reports it once more, to whoever streams it
 
     def has_unfinished_requests(self) -> bool:
+        """Whether a request is queued, running, or finished but not yet reported by `step()`."""
         with self._lock:
-            return any(not r.finished or r._reported_tokens < len(r.output_token_ids) for r in self._requests.values())
+            return bool(self._requests)
 
     @property
     def num_running(self) -> int:
@@ -194,28 +195,27 @@ class Engine:
 
     def _forward(self, step: Step) -> torch.Tensor:
         pads = self.cache.schedule([r.row for r in step.requests], step.new_tokens)
-        width = max(step.new_tokens)
-        length = self.cache.get_seq_length() + width
+        inputs = self._forward_inputs(step, pads, max(step.new_tokens), self.cache.get_seq_length())
+        if self._keep_last_logits:
+            inputs["logits_to_keep"] = 1
+        implementation = self.cache.cache_config.resolved_attn_implementation
+        with torch.inference_mode(), attention_implementation(self.model, implementation):
+            output = self.model(**inputs, past_key_values=self.cache, use_cache=True)
+        return output.logits[:, -1, :]
+
+    def _forward_inputs(self, step: Step, pads: list[int], width: int, past_length: int) -> dict[str, torch.Tensor]:
+        """`input_ids`, `attention_mask` and `position_ids` of the right-aligned layout `PagedCache.schedule` chose:
+        row `i` has `pads[i]` left pads and computes the last `width` of its positions."""
+        length = past_length + width
         windows = [r.token_ids[-width:] for r in step.requests]
         device = self.device
         input_ids = torch.tensor(
             [[self.pad_token_id] * (width - len(w)) + w for w in windows], dtype=torch.long, device=device
         )
-        pads_t = torch.tensor(pads, device=device)[:, None]
-        attention_mask = (torch.arange(length, device=device)[None, :] >= pads_t).long()
-        position_ids = (torch.arange(length - width, length, device=device)[None, :] - pads_t).clamp(min=0)
-        extra = {"logits_to_keep": 1} if self._keep_last_logits else {}
-        implementation = self.cache.cache_config.resolved_attn_implementation
-        with torch.inference_mode(), attention_implementation(self.model, implementation):
-            output = self.model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                past_key_values=self.cache,
-                use_cache=True,
-                **extra,
-            )
-        return output.logits[:, -1, :]
+        pads_column = torch.tensor(pads, device=device)[:, None]
+        attention_mask = (torch.arange(length, device=device)[None, :] >= pads_column).long()
+        position_ids = (torch.arange(past_length, length, device=device)[None, :] - pads_column).clamp(min=0)
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
         params = request.params
@@ -270,8 +270,10 @@ class Engine:
                             pending.discard(output.request_id)
                         yield output
         finally:
-            for request_id in pending:
-                self.abort(request_id)
+            with self._lock:
+                for request_id in pending:  # the caller stopped listening: nobody needs their final report
+                    if self.abort(request_id) is not None:
+                        self._account_finished(self._requests.pop(request_id))
 
     def _drive(self, ids: list[str], progress: bool | None) -> dict[str, RequestOutput]:
         from tqdm.auto import tqdm
