@@ -177,7 +177,8 @@ def test_falcon_keeps_its_own_attention_and_refuses_another(models):
     runs Falcon's own attention on dense K/V read from the pool (exact, above), and refuses to pretend otherwise."""
     model = models("falcon")
     input_ids = torch.randint(3, 128, (1, 6))
-    with pytest.raises(ValueError, match="FalconForCausalLM hard-codes its attention classes .* attn_implementation='eager' cannot be"):
+    refusal = "FalconForCausalLM hard-codes its attention classes .* attn_implementation='eager' cannot be honoured"
+    with pytest.raises(ValueError, match=refusal):
         model.generate(
             input_ids=input_ids,
             max_new_tokens=2,
