@@ -135,6 +135,15 @@ class PagedCache(Cache):
         return len(self._rows)
 
     @property
+    def prefix_caching(self) -> bool:
+        return self._prefix_caching
+
+    @property
+    def prefix_root(self) -> bytes:
+        """Root of this cache's prefix-hash chains (the model, dtype and adapters it was built for)."""
+        return self._root
+
+    @property
     def is_released(self) -> bool:
         return self._released
 
