@@ -16,6 +16,7 @@ from .plan import ForwardInputs, ForwardPlan, duplicate_row_leaders, extend_plan
 from .pool import BlockPool, get_pool
 from .prefix import prefix_namespace, root_hash
 from .rows import Row
+from .support import check_supported
 
 logger = logging.getLogger(__name__)
 
@@ -91,11 +92,8 @@ class PagedCache(Cache):
         from .generation import attach_to_model
 
         self.cache_config = PagedCacheConfig.from_dict(cache_config)
+        check_supported(model)
         text_config = model.config.get_text_config(decoder=True)
-        if getattr(model.config, "is_encoder_decoder", False):
-            raise NotImplementedError(
-                f"{type(model).__name__} is an encoder-decoder model; PagedCache serves decoder-only models"
-            )
         self.pool: BlockPool = get_pool(model, config=self.cache_config)
         layers = [PagedLayer(self, i, window) for i, window in enumerate(layer_windows(model, text_config))]
         super().__init__(layers=layers)
@@ -207,6 +205,7 @@ class PagedCache(Cache):
         layer_idx = plan.last_layer if layer_idx is None else layer_idx
         if layer_idx not in plan.layers_written:
             raise RuntimeError(f"layer {layer_idx} did not write its K/V in this forward")
+        plan.layers_read.add(layer_idx)
         storage = self.pool.storage
         local = plan.on(storage.device_of(layer_idx))
         first = self.layers[layer_idx].first_visible(self._seq_length - plan.num_new)
@@ -218,6 +217,8 @@ class PagedCache(Cache):
 
     def _write_layer(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):
         plan = self._plan
+        if plan is not None:
+            self._check_tables_were_read(plan, layer_idx)
         if plan is None or layer_idx in plan.layers_written:
             plan = self._plan_forward(key_states)
         plan.layers_written.add(layer_idx)
@@ -236,6 +237,23 @@ class PagedCache(Cache):
         if plan.reads_tables:
             return key_states, value_states
         return self.read_layer(layer_idx)
+
+    def _check_tables_were_read(self, plan: ForwardPlan, layer_idx: int) -> None:
+        """Under the `"hf_paged"` attention `update` hands back only the new tokens: the layer that wrote last must
+        have read its K/V through the tables, or its attention saw only those tokens (a model whose attention does
+        not dispatch to the registered function). Checked when the next layer, or the next complete forward, writes.
+        """
+        last = plan.last_layer
+        if not plan.reads_tables or last is None or last in plan.layers_read:
+            return
+        if layer_idx in plan.layers_written and len(plan.layers_written) < len(self.layers):
+            return  # an unfinished forward: dropped by `_settle`, not a layer that skipped its read
+        raise NotImplementedError(
+            f"{self._model_name}: layer {last} stored its K/V in the paged cache but its attention did not read them "
+            "back through the block tables (the model does not route that attention through the 'hf_paged' "
+            "attention function), so it would have attended to the new tokens only. Generate with "
+            "cache_config={'attn_implementation': 'sdpa'} (or 'eager') to read dense K/V instead."
+        )
 
     def _plan_forward(self, key_states: torch.Tensor) -> ForwardPlan:
         self._settle()

@@ -36,6 +36,7 @@ class ForwardPlan:
     reads_tables: bool
     num_new: int
     layers_written: set[int] = field(default_factory=set)
+    layers_read: set[int] = field(default_factory=set)
     last_layer: int | None = None
     _moved: dict = field(default_factory=dict)
     _head_rows: dict = field(default_factory=dict)
