@@ -174,7 +174,7 @@ def _cache_config_of(model, generation_config: GenerationConfig | None, kwargs: 
     return PagedCacheConfig.from_dict(options)
 
 
-def _attention_for(model: torch.nn.Module, config: PagedCacheConfig) -> str:
+def paged_attention_for(model: torch.nn.Module, config: PagedCacheConfig) -> str:
     """The attention implementation a paged call runs on. A model that hard-codes its attention classes (it does not
     dispatch through transformers' `AttentionInterface`, e.g. Falcon) cannot be switched: it keeps its own attention,
     which reads the paged cache as dense K/V; asking it for another implementation is refused."""
@@ -233,7 +233,7 @@ def _generate(model, inputs, generation_config, kwargs: dict):
         # continue on the caller's cache (or, in assisted decoding, on the one the assistant's last call returned)
         attach_to_model(model)
         user_cache.start_from_prompt(input_ids, kwargs.get("attention_mask"))
-        with attention_implementation(model, _attention_for(model, user_cache.cache_config)):
+        with attention_implementation(model, paged_attention_for(model, user_cache.cache_config)):
             return _original_generate(model, inputs, generation_config, **kwargs)
     if source is None:
         return _original_generate(model, inputs, generation_config, **kwargs)
@@ -245,7 +245,7 @@ def _generate(model, inputs, generation_config, kwargs: dict):
         )
     check_supported(model)
     config = _cache_config_of(model, generation_config, kwargs)
-    implementation = _attention_for(model, config)
+    implementation = paged_attention_for(model, config)
     kwargs.pop("cache_implementation", None)
     kwargs.pop("cache_config", None)
     request = _PagedRequest(model, config, input_ids, kwargs.get("attention_mask"))

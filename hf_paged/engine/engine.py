@@ -13,7 +13,7 @@ import torch
 from transformers import GenerationConfig
 
 from ..cache import PagedCache
-from ..generation import attention_implementation
+from ..generation import attention_implementation, paged_attention_for
 from .params import SamplingParams
 from .request import Request, RequestOutput, RequestStatus
 from .sampler import next_tokens
@@ -198,7 +198,7 @@ class Engine:
         inputs = self._forward_inputs(step, pads, max(step.new_tokens), self.cache.get_seq_length())
         if self._keep_last_logits:
             inputs["logits_to_keep"] = 1
-        implementation = self.cache.cache_config.resolved_attn_implementation
+        implementation = paged_attention_for(self.model, self.cache.cache_config)
         with torch.inference_mode(), attention_implementation(self.model, implementation):
             output = self.model(**inputs, past_key_values=self.cache, use_cache=True)
         return output.logits[:, -1, :]
