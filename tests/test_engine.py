@@ -297,3 +297,65 @@ def test_step_kinds(model):
     assert isinstance(step, Step) and step.kind == "prefill" and step.new_tokens == [3] and not failed
     engine.close()
     assert engine.pool.stats().num_used == 0
+
+
+# ---------------------------------------------------------------------- SmolLM2-135M end to end
+QUESTIONS = [
+    "What is a page table?",
+    "Name three colours.",
+    "Write a haiku about memory.",
+    "Why is the sky blue? Answer in one sentence.",
+    "List two prime numbers.",
+    "What does a cache do?",
+    "Say hello in French.",
+    "Explain copy-on-write briefly.",
+]
+
+
+@pytest.fixture(scope="module")
+def chat_workload(smollm2):
+    model, tokenizer = smollm2
+    rng = random.Random(7)
+    prompts, news = [], []
+    for index in range(64):
+        question = QUESTIONS[index % len(QUESTIONS)] + " " * rng.randint(0, 3) + "Detail." * rng.randint(0, 3)
+        messages = [{"role": "user", "content": question}]
+        prompts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        if isinstance(prompts[-1], dict) or hasattr(prompts[-1], "keys"):
+            prompts[-1] = prompts[-1]["input_ids"]
+        news.append(rng.randint(2, 8))
+    expected = [alone(model, p, n, do_sample=False) for p, n in zip(prompts, news)]
+    return prompts, news, expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_blocks", [256, 24], ids=["roomy-pool", "pool-too-small"])
+def test_smollm2_engine_matches_generate_alone(smollm2, chat_workload, num_blocks):
+    model, tokenizer = smollm2
+    prompts, news, expected = chat_workload
+    engine = Engine(model, tokenizer, block_size=16, num_blocks=num_blocks)
+    ids = [engine.add_request(p, max_new_tokens=n) for p, n in zip(prompts, news)]
+    finals = drive(engine)
+    assert [finals[i].token_ids for i in ids] == expected
+    assert finals[ids[0]].text == tokenizer.decode(expected[0], skip_special_tokens=True)
+    stats = engine.stats()
+    assert engine.pool.stats().num_used == 0
+    if num_blocks == 24:  # recomputed requests find their full blocks (and the shared system prompt) cached
+        assert stats.preemptions > 0 and stats.peak_blocks <= 24 and stats.prefix_hit_rate > 0
+
+
+def test_smollm2_stop_strings_and_streamed_text(smollm2):
+    model, tokenizer = smollm2
+    engine = Engine(model, tokenizer, block_size=16, num_blocks=128)
+    messages = [{"role": "user", "content": "Count from one to ten in words, separated by commas."}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    [full] = engine.generate([prompt], max_new_tokens=24)
+    words = full.text.split()
+    assert len(words) > 4, full.text
+    stop = words[3]
+    cut = full.text.index(stop)
+    streamed = "".join(o.new_text for o in engine.stream([prompt], max_new_tokens=24, stop=[stop]))
+    [stopped] = engine.generate([prompt], max_new_tokens=24, stop_strings=[stop])
+    assert stopped.text == full.text[:cut] == streamed
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) < len(full.token_ids)
+    assert engine.pool.stats().num_used == 0
