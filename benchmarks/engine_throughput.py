@@ -1,0 +1,160 @@
+"""Serving a mixed-length workload under one KV memory budget: hf_paged's `Engine` vs stock `generate` with static
+batches vs transformers' own continuous batching (`generate_batch`'s manager), side by side in one run.
+
+Workload: ShareGPT-like prompt and output lengths (log-normal with the vLLM paper's ShareGPT means, as in
+kv_memory.py) scaled by `--scale` and clipped to [1, `--max-length`], random token ids, greedy decoding, every
+request asking for its own output length (end-of-sequence ignored where the API allows it; tokens/s counts the tokens
+each request actually received).
+
+- Engine: a pool of budget / block_size blocks; admission, preemption and prefix reuse as shipped.
+- Static batches: prompts taken in arrival order into the largest batch whose DynamicCache (padded prompt + longest
+  output in the batch, for every row) fits the budget; each batch runs `generate` with its longest output length.
+- generate_batch: transformers' continuous batching manager with the same number of tokens in its cache
+  (`num_blocks * page_size` = budget), each request with its own `max_new_tokens`.
+
+Peak KV is the most KV memory held at once: the Engine's peak blocks, the largest static batch's DynamicCache, and the
+preallocated cache of `generate_batch`.
+
+Usage: python benchmarks/engine_throughput.py [--model tiny|smollm2] [--requests 200] [--budget-tokens 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from common import environment, load_model, markdown_table
+from kv_memory import sharegpt_like_requests
+from transformers import ContinuousBatchingConfig, GenerationConfig
+
+import hf_paged
+from hf_paged import KVShape
+
+
+def workload(num_requests: int, scale: float, max_length: int, vocab_size: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    requests = []
+    for prompt_length, output_length in sharegpt_like_requests(num_requests, seed):
+        prompt_length = max(1, min(max_length, round(prompt_length * scale)))
+        output_length = max(1, min(max_length, round(output_length * scale)))
+        prompt = torch.randint(3, vocab_size, (prompt_length,), generator=generator).tolist()
+        requests.append((prompt, output_length))
+    return requests
+
+
+def run_engine(model, requests, budget_tokens: int, block_size: int):
+    engine = hf_paged.Engine(model, block_size=block_size, num_blocks=budget_tokens // block_size, progress=False)
+    params = [hf_paged.SamplingParams(max_new_tokens=n, eos_token_id=()) for _, n in requests]
+    start = time.perf_counter()
+    outputs = engine.generate([p for p, _ in requests], params)
+    elapsed = time.perf_counter() - start
+    stats = engine.last_stats
+    extra = f"{stats.preemptions} preemptions, {stats.decode_steps} decode steps, peak {stats.peak_blocks} blocks"
+    engine.close()
+    return elapsed, sum(len(o.token_ids) for o in outputs), stats.peak_blocks * block_size, extra
+
+
+def static_batches(requests, budget_tokens: int) -> list[list[tuple[list[int], int]]]:
+    batches, current = [], []
+    for request in requests:
+        trial = current + [request]
+        cost = len(trial) * (max(len(p) for p, _ in trial) + max(n for _, n in trial))
+        if current and cost > budget_tokens:
+            batches.append(current)
+            trial = [request]
+        current = trial
+    return batches + [current]
+
+
+def run_static(model, requests, budget_tokens: int, pad_token_id: int = 0):
+    peak, generated = 0, 0
+    start = time.perf_counter()
+    batches = static_batches(requests, budget_tokens)
+    for batch in batches:
+        width, new = max(len(p) for p, _ in batch), max(n for _, n in batch)
+        input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p, _ in batch])
+        attention_mask = (input_ids != pad_token_id).long()
+        attention_mask[:, -1] = 1
+        for row, (prompt, _) in enumerate(batch):
+            attention_mask[row, width - len(prompt) :] = 1
+        model.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=pad_token_id,
+        )
+        generated += sum(n for _, n in batch)  # tokens each request asked for; the rest of the batch is waste
+        peak = max(peak, len(batch) * (width + new))
+    elapsed = time.perf_counter() - start
+    sizes = [len(b) for b in batches]
+    return elapsed, generated, peak, f"{len(batches)} batches of {min(sizes)}-{max(sizes)}"
+
+
+def run_generate_batch(model, requests, budget_tokens: int, page_size: int):
+    config = GenerationConfig(max_new_tokens=max(n for _, n in requests), do_sample=False, pad_token_id=0)
+    batching = ContinuousBatchingConfig(page_size=page_size, num_blocks=budget_tokens // page_size)
+    results = {}
+    start = time.perf_counter()
+    with model.continuous_batching_context_manager(
+        generation_config=config, continuous_batching_config=batching, block=True, timeout=5
+    ) as manager:
+        ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1) for p, n in requests]
+        while len(results) < len(ids):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching stopped early")
+    elapsed = time.perf_counter() - start
+    return elapsed, sum(len(r.generated_tokens) for r in results.values()), budget_tokens, "preallocated cache"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny", choices=["tiny", "smollm2"])
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--budget-tokens", type=int, default=8192)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--scale", type=float, default=0.25)
+    parser.add_argument("--max-length", type=int, default=256)
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    model, label = load_model(args.model)
+    requests = workload(args.requests, args.scale, args.max_length, model.config.vocab_size)
+    bytes_per_token = KVShape.from_model(model).bytes_per_token
+    runs = {
+        "hf_paged Engine": run_engine(model, requests, args.budget_tokens, args.block_size),
+        "stock generate, static batches": run_static(model, requests, args.budget_tokens),
+        "transformers generate_batch": run_generate_batch(model, requests, args.budget_tokens, args.block_size),
+    }
+    baseline = runs["stock generate, static batches"]
+    rows = []
+    for name, (elapsed, generated, peak_tokens, notes) in runs.items():
+        tokens_per_s = generated / elapsed
+        rows.append(
+            [
+                name,
+                f"{tokens_per_s:,.0f}",
+                f"{tokens_per_s / (baseline[1] / baseline[0]):.2f}x",
+                f"{elapsed:.1f}",
+                f"{peak_tokens * bytes_per_token / 2**20:.1f}",
+                notes,
+            ]
+        )
+    prompts = [len(p) for p, _ in requests]
+    outputs = [n for _, n in requests]
+    print(f"{label}; {environment()}")
+    print(
+        f"{len(requests)} requests, prompt {min(prompts)}-{max(prompts)} (mean {sum(prompts) / len(prompts):.0f}), "
+        f"output {min(outputs)}-{max(outputs)} (mean {sum(outputs) / len(outputs):.0f}) tokens; KV budget "
+        f"{args.budget_tokens} tokens = {args.budget_tokens * bytes_per_token / 2**20:.1f} MiB\n"
+    )
+    print(markdown_table(["system", "tokens/s", "vs static", "wall s", "peak KV MiB", "notes"], rows))
+
+
+if __name__ == "__main__":
+    main()
