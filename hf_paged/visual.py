@@ -165,7 +165,8 @@ def _check_table(allocator: BlockAllocator, label: str, table) -> None:
 def render_pool_text(source, tables=None, *, columns: int = 64, max_blocks: int | None = None) -> str:
     """The pool in a few lines of text: one character per physical block, then each sequence's block table.
 
-    A block of the n-th shown sequence is the n-th capital letter (lower case when the block is partly filled),
+    A block of the n-th shown sequence is the n-th capital letter, or the sequence's own label when every label is a
+    single capital letter (lower case when the block is partly filled),
     `*` a block shared by several tables (refcount > 1), `o` a cached block no table holds (evictable, counts as
     free), `#` a block held only by tables not shown, `.` a free block.
 
@@ -204,6 +205,7 @@ def render_pool_text(source, tables=None, *, columns: int = 64, max_blocks: int 
             "pass the tables to show"
         )
     shown = _window(snapshot, columns, max_blocks)
+    glyphs = _glyphs(snapshot.labels)
     num_used, num_evictable = snapshot.count(USED), snapshot.count(EVICTABLE)
     free = f"{snapshot.num_blocks - num_used} free" + (f" ({num_evictable} of them cached)" if num_evictable else "")
     lines = [
@@ -211,12 +213,12 @@ def render_pool_text(source, tables=None, *, columns: int = 64, max_blocks: int 
         f"blocks 0-{shown - 1} shown"
     ]
     for start in range(0, shown, columns):
-        row = "".join(_glyph(snapshot, block) for block in snapshot.blocks[start : min(start + columns, shown)])
+        row = "".join(_glyph(snapshot, glyphs, block) for block in snapshot.blocks[start : min(start + columns, shown)])
         lines.append(f"{start:>6} {row}")
     for index, (label, block_ids, num_tokens) in enumerate(zip(snapshot.labels, snapshot.tables, snapshot.num_tokens)):
-        name = GLYPHS[index] if label == GLYPHS[index] else f"{GLYPHS[index]} {label}"
+        name = glyphs[index] if label == glyphs[index] else f"{glyphs[index]} {label}"
         lines.append(f"{name} {list(block_ids)} {_plural(num_tokens, 'token')}")
-    lines += _shared_lines(snapshot)
+    lines += _shared_lines(snapshot, glyphs)
     hidden_used = sum(1 for block in snapshot.blocks[shown:] if block.state == USED)
     if hidden_used:
         lines.append(f"blocks {shown}-{snapshot.num_blocks - 1} not shown ({hidden_used} used)")
@@ -227,7 +229,13 @@ def _plural(count: int, noun: str) -> str:
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
-def _glyph(snapshot: PoolSnapshot, block: BlockView) -> str:
+def _glyphs(labels: tuple[str, ...]) -> tuple[str, ...]:
+    if len(set(labels)) == len(labels) and all(len(label) == 1 and label in GLYPHS for label in labels):
+        return labels
+    return tuple(GLYPHS[: len(labels)])
+
+
+def _glyph(snapshot: PoolSnapshot, glyphs: tuple[str, ...], block: BlockView) -> str:
     if block.state == FREE:
         return FREE_GLYPH
     if block.state == EVICTABLE:
@@ -236,18 +244,18 @@ def _glyph(snapshot: PoolSnapshot, block: BlockView) -> str:
         return SHARED_GLYPH
     if not block.owners:
         return OTHER_GLYPH
-    letter = GLYPHS[block.owners[0]]
+    letter = glyphs[block.owners[0]]
     return letter if block.num_tokens == snapshot.block_size else letter.lower()
 
 
-def _shared_lines(snapshot: PoolSnapshot) -> list[str]:
+def _shared_lines(snapshot: PoolSnapshot, glyphs: tuple[str, ...]) -> list[str]:
     groups: dict[tuple[tuple[int, ...], int], list[int]] = {}
     for block in snapshot.blocks:
         if block.state == USED and block.is_shared:
             groups.setdefault((block.owners, block.ref_count), []).append(block.block_id)
     lines = []
     for (owners, ref_count), block_ids in groups.items():
-        holders = " ".join(GLYPHS[owner] for owner in owners) or "tables not shown"
+        holders = " ".join(glyphs[owner] for owner in owners) or "tables not shown"
         others = ref_count - len(owners)
         if owners and others:
             holders += f" and {others} table(s) not shown"
@@ -324,7 +332,8 @@ def plot_pool(
             `show_tables`).
 
     Returns:
-        `matplotlib.figure.Figure`: the figure (in a notebook it displays as the cell's value).
+        `matplotlib.figure.Figure`: the figure; save it with `fig.savefig(path)`, or, in a notebook after
+            `%matplotlib inline`, let it display as the cell's value.
 
     Example:
 
@@ -486,15 +495,16 @@ def plot_fragmentation(
     block_size: int = 2,
     *,
     capacity: int | None = None,
+    columns: int | None = None,
     title: str | None = None,
 ):
     """Naive max-length reservation next to paging for the same sequence lengths (seed 004's figure).
 
-    Left: every sequence reserves `reserve` contiguous slots, one row each; slots holding a token are coloured,
-    reserved but unused slots are hatched. Right: the same cache of `capacity` slots cut into pages of `block_size`
-    slots and handed out by a real `BlockAllocator`, page by page as each sequence grows; the only waste is inside a
-    sequence's last page, and untouched pages stay free for other sequences. Both titles give slots allocated,
-    tokens, slots wasted and the fragmentation (`wasted / allocated`), from `naive_footprint` and
+    Left: every sequence reserves `reserve` contiguous slots (a row each, wrapped at `columns`); slots holding a
+    token are coloured, reserved but unused slots are hatched. Right: the same cache of `capacity` slots cut into
+    pages of `block_size` slots and handed out by a real `BlockAllocator`, page by page as each sequence grows; the
+    only waste is inside a sequence's last page, and untouched pages stay free for other sequences. Both titles give
+    slots allocated, slots wasted and the fragmentation (`wasted / allocated`), from `naive_footprint` and
     `paged_footprint`. Slot patches carry gids `"naive-used"`, `"naive-wasted"`, `"paged-used"`, `"paged-wasted"`,
     `"paged-free"`.
 
@@ -502,8 +512,10 @@ def plot_fragmentation(
         lengths (`Sequence[int]`): tokens in each sequence (each >= 1).
         reserve (`int`, *optional*): slots the naive scheme reserves per sequence (default: the longest length).
         block_size (`int`): slots per page.
-        capacity (`int`, *optional*): slots in the cache (default: `reserve * len(lengths)`, what naive reserves),
-            a multiple of `block_size`.
+        capacity (`int`, *optional*): slots in the cache, a multiple of `block_size` (default: what naive
+            reserves, `reserve * len(lengths)`, rounded up to whole pages).
+        columns (`int`, *optional*): slots per drawn row (default: `reserve` up to 32 slots, else 32 rounded to whole
+            pages); longer reservations wrap, and the paged panel shows `columns // block_size` pages per row.
         title (`str`, *optional*): the figure's title.
 
     Returns:
@@ -525,7 +537,8 @@ def plot_fragmentation(
     _check_positive("block_size", block_size)
     reserve = max(lengths) if reserve is None else reserve
     _check_positive("reserve", reserve)
-    capacity = reserve * len(lengths) if capacity is None else capacity
+    if capacity is None:
+        capacity = -(-reserve * len(lengths) // block_size) * block_size
     _check_positive("capacity", capacity)
     if capacity % block_size:
         raise ValueError(f"capacity ({capacity} slots) must be a multiple of block_size ({block_size})")
@@ -545,15 +558,25 @@ def plot_fragmentation(
     for table, length in zip(tables, lengths):
         allocator.append(table, length)
     colors = _colors(matplotlib, len(lengths))
-    page_columns = max(1, math.ceil(reserve / block_size))
-    fig = Figure(figsize=(min(4.0 + 0.5 * 2 * reserve, 16.0), 1.6 + 0.5 * max(len(lengths), 2)), layout="constrained")
-    naive_ax, paged_ax = fig.subplots(1, 2)
+    if columns is None:
+        columns = reserve if reserve <= 32 else max(block_size, 32 // block_size * block_size)
+    _check_positive("columns", columns)
+    page_columns = max(1, columns // block_size)
+    rows_per_sequence = math.ceil(reserve / columns)
+    gap = 0.4 if rows_per_sequence > 1 else 0.0
+    naive_height = len(lengths) * rows_per_sequence + (len(lengths) - 1) * gap
+    page_rows = math.ceil(allocator.num_blocks / page_columns)
+    cell = min(0.5, 13.0 / (columns + page_columns * block_size))
+    height = max(naive_height, page_rows) * cell + 1.6
+    fig = Figure(figsize=((columns + page_columns * block_size) * cell + 2.5, height), layout="constrained")
+    naive_ax, paged_ax = fig.subplots(1, 2, width_ratios=[columns, page_columns * block_size])
     for row, length in enumerate(lengths):
+        top = naive_height - 1 - row * (rows_per_sequence + gap)
         for slot in range(reserve):
             used = slot < length
             naive_ax.add_patch(
                 Rectangle(
-                    (slot, len(lengths) - 1 - row),
+                    (slot % columns, top - slot // columns),
                     0.92,
                     0.92,
                     facecolor=colors[row] if used else _WASTE_FACE,
@@ -562,22 +585,19 @@ def plot_fragmentation(
                     gid="naive-used" if used else "naive-wasted",
                 )
             )
-        naive_ax.text(-0.3, len(lengths) - 1 - row + 0.46, f"len {length}", ha="right", va="center", fontsize=8)
-    _frame(naive_ax, reserve, len(lengths))
+        naive_ax.text(-0.3, top + 0.46, f"len {length}", ha="right", va="center", fontsize=8)
+    _frame(naive_ax, columns, naive_height)
     naive_ax.set_title(
         f"naive: {reserve} slots reserved per sequence\n"
         f"wasted {naive.slots_wasted} of {naive.slots_allocated} slots: fragmentation {naive.waste_fraction:.3f}",
         fontsize=9,
     )
     owner = {block_id: (index, table) for index, table in enumerate(tables) for block_id in table.block_ids}
-    page_rows = math.ceil(allocator.num_blocks / page_columns)
     for block_id in range(allocator.num_blocks):
         px = (block_id % page_columns) * block_size
         py = page_rows - 1 - block_id // page_columns
         index, table = owner.get(block_id, (None, None))
-        tokens = (
-            0 if table is None else min(block_size, table.num_tokens - table.block_ids.index(block_id) * block_size)
-        )
+        tokens = 0 if table is None else tokens_per_block([table], block_size)[block_id]
         for slot in range(block_size):
             kind = "paged-free" if table is None else "paged-used" if slot < tokens else "paged-wasted"
             face = {"paged-free": _FREE_FACE, "paged-used": None, "paged-wasted": _WASTE_FACE}[kind]
