@@ -34,6 +34,18 @@ class BlockView:
         num_tokens (`int`): tokens the shown sequences hold in it (a full `block_size` for an evictable block; 0 for
             a free block or one held only by tables not shown).
         cached (`bool`): the block is indexed by content in the prefix cache.
+
+    Example:
+
+    ```python
+    >>> from hf_paged import BlockAllocator
+    >>> allocator = BlockAllocator(num_blocks=2, block_size=4)
+    >>> table = allocator.new_table()
+    >>> _ = allocator.append(table, 3)
+    >>> pool_snapshot(allocator, [table]).blocks[0]
+    BlockView(block_id=0, state='used', ref_count=1, owners=(0,), num_tokens=3, cached=False)
+
+    ```
     """
 
     block_id: int
@@ -58,6 +70,19 @@ class PoolSnapshot:
         labels (`tuple[str, ...]`): a name for each shown sequence.
         tables (`tuple[tuple[int, ...], ...]`): the physical block ids of each shown sequence, in logical order.
         num_tokens (`tuple[int, ...]`): tokens in each shown sequence.
+
+    Example:
+
+    ```python
+    >>> from hf_paged import BlockAllocator
+    >>> allocator = BlockAllocator(num_blocks=40, block_size=4)
+    >>> table = allocator.new_table()
+    >>> _ = allocator.append(table, 9)
+    >>> snap = pool_snapshot(allocator, {"A": table})
+    >>> snap.labels, snap.tables, snap.count("used"), snap.count("free"), snap.default_window(columns=16)
+    (('A',), ((0, 1, 2),), 3, 37, 16)
+
+    ```
     """
 
     block_size: int
