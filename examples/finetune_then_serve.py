@@ -53,6 +53,7 @@ SENTENCES = [
     "Born {age} years ago, {person} now calls {city} home.",
     "In {city}, {person} just turned {age}.",
 ]
+NUM_TRAIN = 48
 NUM_HELD_OUT = 4  # the last names and cities never appear in training
 ATTENTION_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 CHAT_TEMPLATE = (
@@ -94,14 +95,6 @@ class Report:
     served: ServeResult
     seconds: dict[str, float] = field(default_factory=dict)
 
-    @property
-    def baseline_exact(self) -> int:
-        return exact_matches(self.baseline_answers, self.held_out)
-
-    @property
-    def served_exact(self) -> int:
-        return exact_matches(self.served.answers, self.held_out)
-
 
 # ---------------------------------------------------------------------- data
 def make_example(person: str, age: int, city: str, sentence: str) -> Example:
@@ -109,7 +102,7 @@ def make_example(person: str, age: int, city: str, sentence: str) -> Example:
     return Example(INSTRUCTION + sentence.format(person=person, age=age, city=city), answer)
 
 
-def build_examples(seed: int, num_train: int = 48) -> tuple[list[Example], list[Example]]:
+def build_examples(seed: int, num_train: int = NUM_TRAIN) -> tuple[list[Example], list[Example]]:
     """`(train, held_out)`: `num_train` examples drawn from the first names and cities, and one held-out example for
     each of the last `NUM_HELD_OUT` names (with unseen cities)."""
     rng = random.Random(seed)
@@ -195,7 +188,9 @@ def encode_batch(tokenizer, examples: list[Example]) -> dict[str, torch.Tensor]:
 
 
 def batches(examples: list[Example], batch_size: int, seed: int):
-    """Shuffled mini-batches, epoch after epoch, forever."""
+    """Shuffled mini-batches, epoch after epoch, forever (an epoch's last incomplete batch is dropped)."""
+    if not 1 <= batch_size <= len(examples):
+        raise ValueError(f"batch_size must be between 1 and the {len(examples)} examples, got {batch_size}")
     rng = random.Random(seed)
     while True:
         order = list(examples)
@@ -278,6 +273,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("steps", "batch_size", "max_new_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.batch_size > NUM_TRAIN:
+        parser.error(f"--batch-size must be at most {NUM_TRAIN} (the training examples), got {args.batch_size}")
     if args.lr is None:
         args.lr = 1e-2 if args.tiny else 1e-3
     if args.lr <= 0:

@@ -129,7 +129,8 @@ def test_the_saved_weights_hold_the_fine_tuning(script, report, reloaded):
     assert not torch.equal(base.generate(**inputs, **options), model.generate(**inputs, **options))
     tuned = dict(model.named_parameters())
     changed = [name for name, weight in base.named_parameters() if not torch.equal(weight, tuned[name])]
-    assert any("q_proj" in name for name in changed) and any("down_proj" in name for name in changed)
+    adapted = [name for name, _ in base.named_parameters() if name.split(".")[-2] in script.ATTENTION_PROJECTIONS]
+    assert changed == adapted  # the merge changed exactly the layers that carried the adapter
 
 
 def test_serving_leaves_no_block_in_use(report):
@@ -144,6 +145,7 @@ def test_serving_leaves_no_block_in_use(report):
         (["--steps", "0"], "--steps must be at least 1, got 0"),
         (["--max-new-tokens", "-2"], "--max-new-tokens must be at least 1, got -2"),
         (["--lr", "0"], "--lr must be positive, got 0.0"),
+        (["--batch-size", "49"], "--batch-size must be at most 48 (the training examples), got 49"),
     ],
 )
 def test_bad_arguments_are_refused(script, capsys, argv, message):
