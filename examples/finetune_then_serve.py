@@ -329,7 +329,8 @@ def main(argv: list[str] | None = None) -> Report:
     loss_before = mean_loss(peft_model, tokenizer, train_set)
     step_losses = train(peft_model, tokenizer, train_set, args.steps, args.lr, args.batch_size, args.seed)
     loss_after = mean_loss(peft_model, tokenizer, train_set)
-    # The weights changed: blocks the prefix cache holds for this model were computed with the old ones.
+    # The weights changed: blocks cached before training are never reused (their namespace holds the weights'
+    # version); dropping them now just returns their memory sooner.
     hf_paged.get_pool(model).clear_prefix_cache()
     print(f"\ntraining loss per answer token: {loss_before:.3f} -> {loss_after:.3f} ({args.steps} steps)")
     seconds["train"] = time.perf_counter() - clock

@@ -140,7 +140,14 @@ class PagedCache(Cache):
 
     @property
     def prefix_root(self) -> bytes:
-        """Root of this cache's prefix-hash chains (the model, dtype and adapters it was built for)."""
+        """Root of this cache's prefix-hash chains (the model, dtype, adapters and weights it was built for)."""
+        return self._root
+
+    def refresh_prefix_root(self) -> bytes:
+        """Recompute `prefix_root` from the model as it is now (its weights may have been trained since)."""
+        model = self._model_ref()
+        if model is not None:
+            self._root = root_hash(prefix_namespace(model))
         return self._root
 
     @property

@@ -11,13 +11,21 @@ DIGEST_SIZE = 16
 
 
 def prefix_namespace(model: torch.nn.Module) -> bytes:
-    """What besides the tokens decides a block's K/V: the model, its dtype and its active adapters.
+    """What besides the tokens decides a block's K/V: the model, its dtype, its active adapters and the version of
+    its weights (every in-place update of a parameter, e.g. an optimizer step, bumps its tensor version, so blocks
+    computed before training are never reused after it).
 
     Example:
 
     ```python
     >>> from hf_paged.reference_models import tiny_model
-    >>> prefix_namespace(tiny_model("llama")) == prefix_namespace(tiny_model("qwen2"))
+    >>> model = tiny_model("llama")
+    >>> before = prefix_namespace(model)
+    >>> before == prefix_namespace(tiny_model("qwen2"))
+    False
+    >>> with torch.no_grad():
+    ...     _ = model.lm_head.weight.mul_(2.0)
+    >>> prefix_namespace(model) == before
     False
 
     ```
@@ -28,7 +36,9 @@ def prefix_namespace(model: torch.nn.Module) -> bytes:
     if getattr(model, "_hf_peft_config_loaded", False):
         adapters += ["active:" + name for name in model.active_adapters()]
     dtype = next(model.parameters()).dtype
+    weights_version = sum(parameter._version for parameter in model.parameters())
     parts = [type(model).__name__, str(getattr(config, "_name_or_path", "")), str(dtype), ",".join(adapters)]
+    parts.append(str(weights_version))
     return "\x1f".join(parts).encode()
 
 

@@ -389,3 +389,19 @@ def test_cached_prompt_meeting_beams_and_sampling_stays_exact(model):
     )
     assert torch.equal(sampled_reference, sampled)
     assert get_pool(model).stats().num_used == 0
+
+
+def test_blocks_cached_before_a_weight_update_are_not_reused_after_it():
+    """Training in the same process changes the K/V of the same tokens: the prefix cache must not serve old blocks."""
+    model = tiny_model("llama")
+    prompt = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(5))
+    options = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    model.generate(prompt, cache_implementation="paged", cache_config={"block_size": 8}, **options)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.k_proj.weight.add_(0.5)  # what an optimizer step does, in place
+    out = model.generate(
+        prompt, cache_implementation="paged", cache_config={"block_size": 8}, return_dict_in_generate=True, **options
+    )
+    assert out.past_key_values.stats().prefix_tokens_reused == 0
+    out.past_key_values.release()
+    assert torch.equal(out.sequences, model.generate(prompt, **options))

@@ -159,6 +159,8 @@ class Engine:
         requests are reported once and forgotten."""
         with self._lock:
             changed = [r for r in self._requests.values() if r.finished]  # max_new_tokens=0, or failed earlier
+            if self.scheduler.root is not None:  # the weights may have been trained since the last step
+                self.scheduler.root = self.cache.refresh_prefix_root()
             step, failed = self.scheduler.schedule()
             changed += failed
             if step is not None:
