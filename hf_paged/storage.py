@@ -56,8 +56,9 @@ class KVStorage:
                     shape = (self.num_blocks, self.block_size, num_heads, head_dim)
                     # empty, not zeros: pages are touched only as blocks are used, and reads only ever name slots
                     # that were written (pad positions name the row's first real slot)
-                    self.keys[layer_idx] = torch.empty(shape, dtype=like.dtype, device=like.device)
-                    self.values[layer_idx] = torch.empty(shape, dtype=like.dtype, device=like.device)
+                    with torch.inference_mode(False):  # normal tensors: written in and out of inference mode
+                        self.keys[layer_idx] = torch.empty(shape, dtype=like.dtype, device=like.device)
+                        self.values[layer_idx] = torch.empty(shape, dtype=like.dtype, device=like.device)
             return
         if (
             existing.shape[2:] != (num_heads, head_dim)

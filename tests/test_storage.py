@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hf_paged import BlockCopy, KVStorage
+from hf_paged.reference_models import tiny_model
 
 
 def test_layout_is_blocks_by_slots_by_heads_by_dim():
@@ -110,3 +111,12 @@ def test_layers_dispatched_by_accelerate_keep_their_blocks_where_their_kv_is_pro
         assert storage.values[index].device == produced_on
     paged.past_key_values.release()
     assert get_pool(dispatched).stats().num_used == 0
+
+
+def test_a_pool_first_used_in_inference_mode_serves_calls_outside_it():
+    model = tiny_model("llama")
+    prompt = torch.tensor([[1, 2, 3]])
+    options = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0, "cache_implementation": "paged"}
+    with torch.inference_mode():
+        first = model.generate(prompt, **options)
+    assert torch.equal(model.generate(prompt, **options), first)
