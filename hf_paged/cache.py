@@ -458,6 +458,8 @@ class PagedCache(Cache):
         self._settle()
         if not self._rows:
             return
+        if any(isinstance(i, bool) or not isinstance(i, int) for i in sources):
+            raise TypeError(f"{caller}: row indices must be integers, got {sources[:5]}")
         bad = [i for i in sources if not 0 <= i < len(self._rows)]
         if bad:
             raise IndexError(f"{caller}: row indices {bad[:5]} are out of range for a cache of {len(self._rows)} rows")
@@ -505,8 +507,10 @@ class PagedCache(Cache):
         self._pending = None
 
     def release(self) -> None:
-        """Return every block to the pool for good; using the cache afterwards raises. The cache's final `stats()`
-        stay readable as `pool.last_cache_stats`."""
+        """Return every block to the pool for good; using the cache afterwards raises, releasing it again does
+        nothing. The cache's final `stats()` stay readable as `pool.last_cache_stats`."""
+        if self._released:
+            return
         self._settle()
         self.pool.last_cache_stats = self.stats()
         self.reset()
