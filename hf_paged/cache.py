@@ -439,6 +439,7 @@ class PagedCache(Cache):
                 twin = PagedCache(model, **options)
                 twin._rows.extend(row.fork(self.pool.allocator) for row in self._rows)
                 twin._seq_length = self._seq_length
+                twin._layers_per_forward = self._layers_per_forward  # so a fork notices its own unfinished forward
                 twin._note_peak_blocks()
                 forks.append(twin)
         return forks[0] if n is None else forks

@@ -145,6 +145,24 @@ def test_exception_on_a_callers_started_cache_keeps_it_usable(model, where):
     assert_pool_whole(model)
 
 
+@pytest.mark.parametrize("where", WHERE)
+def test_exception_on_a_fork_keeps_the_fork_usable(model, where):
+    """A fork whose first own forward fails midway notices it on its next call, like the cache it came from."""
+    seed = 40 + WHERE.index(where)  # prompts no other test computed: stale slots cannot hold the right K/V
+    input_ids, attention_mask = left_padded_batch([3, 6, 5], seed=seed)
+    prompt_cache = PagedCache(model)
+    with torch.no_grad():
+        model(input_ids=input_ids[:, :4], attention_mask=attention_mask[:, :4], past_key_values=prompt_cache)
+    fork = prompt_cache.fork()
+    with pytest.raises(Boom):
+        with raising(model, where, 1, Boom("layer failed")):
+            generate(model, seed=seed, past_key_values=fork)
+    assert torch.equal(generate(model, seed=seed, past_key_values=fork), generate(model, seed=seed))
+    for cache in (fork, prompt_cache):
+        cache.release()
+    assert_pool_whole(model)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_pool_running_out_mid_decode_returns_every_block(mode):
     model = tiny_model("llama")
