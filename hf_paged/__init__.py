@@ -9,6 +9,7 @@ from .allocator import AllocatorStats, BlockAllocator, BlockCopy, BlockTable
 from .attention import ATTENTION_NAME, paged_attention_forward
 from .cache import CacheStats, PagedCache
 from .config import PagedCacheConfig, parse_memory
+from .engine import Engine, EngineStats, RequestOutput, SamplingParams
 from .errors import InvariantError, PoolExhaustedError
 from .generation import attention_implementation, disable, enable, is_enabled
 from .layer import PagedLayer
@@ -27,6 +28,8 @@ __all__ = [
     "BlockPool",
     "BlockTable",
     "CacheStats",
+    "Engine",
+    "EngineStats",
     "Footprint",
     "InvariantError",
     "KVShape",
@@ -35,6 +38,8 @@ __all__ = [
     "PagedCacheConfig",
     "PagedLayer",
     "PoolExhaustedError",
+    "RequestOutput",
+    "SamplingParams",
     "attention_implementation",
     "disable",
     "enable",

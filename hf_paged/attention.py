@@ -2,10 +2,43 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 ATTENTION_NAME = "hf_paged"
+
+_bound = threading.local()
+
+
+def _bindings() -> list:
+    if not hasattr(_bound, "stack"):
+        _bound.stack = []
+    return _bound.stack
+
+
+def bind_paged_cache(owner: torch.nn.Module, cache) -> None:
+    """Make `cache` (a `PagedCache`, or `None`) what `paged_attention_forward` reads in this thread until
+    `unbind_paged_cache(owner)`: hf_paged's forward hooks bind around every forward of a model that has met a paged
+    cache, so its attention finds the cache even when the model does not pass keyword arguments down to its
+    attention modules. Bindings nest; a stale one of `owner` (a forward interrupted by `KeyboardInterrupt`) is
+    dropped."""
+    stack = _bindings()
+    stack[:] = [entry for entry in stack if entry[0] is not owner]
+    stack.append((owner, cache))
+
+
+def unbind_paged_cache(owner: torch.nn.Module) -> None:
+    stack = _bindings()
+    if stack and stack[-1][0] is owner:
+        stack.pop()
+
+
+def bound_paged_cache():
+    """The `PagedCache` bound to this thread's running forward, or `None`."""
+    stack = _bindings()
+    return stack[-1][1] if stack else None
 
 
 def _repeat_kv(hidden: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -88,12 +121,15 @@ def paged_attention_forward(
     """Attention registered as `"hf_paged"` in transformers' `AttentionInterface` (its mask as `"hf_paged"` in
     `AttentionMaskInterface`).
 
-    When the forward runs with a `PagedCache` (injected as `paged_cache` by hf_paged's forward pre-hook), `key` and
-    `value` are only this step's tokens, already written into the pool; the full K/V of the layer is read through
-    the row block tables (`PagedCache.read_layer`). Without a paged cache it attends over the `key`/`value` given.
+    When the forward runs with a `PagedCache` (`paged_cache`, or the cache hf_paged's forward hook bound to this
+    thread), `key` and `value` are only this step's tokens, already written into the pool; the full K/V of the layer
+    is read through the row block tables (`PagedCache.read_layer`). Without a paged cache it attends over the
+    `key`/`value` given.
     The grouped-query factor comes from the tensor shapes; `scaling`, `softcap`, attention sinks (`s_aux`) and the
     (sliding-window, padded) mask are honoured.
     """
+    if paged_cache is None:
+        paged_cache = bound_paged_cache()
     if paged_cache is not None and paged_cache.reads_tables_in_attention():
         key, value = paged_cache.read_layer(getattr(module, "layer_idx", None))
     num_heads, num_kv_heads = query.shape[1], key.shape[1]

@@ -14,8 +14,9 @@ from .config import PagedCacheConfig
 from .layer import PagedLayer, layer_windows
 from .plan import ForwardInputs, ForwardPlan, duplicate_row_leaders, extend_plan, plan_forward
 from .pool import BlockPool, get_pool
-from .prefix import chain, prefix_namespace, root_hash
+from .prefix import prefix_namespace, root_hash
 from .rows import Row
+from .support import check_supported
 
 logger = logging.getLogger(__name__)
 
@@ -91,11 +92,8 @@ class PagedCache(Cache):
         from .generation import attach_to_model
 
         self.cache_config = PagedCacheConfig.from_dict(cache_config)
+        check_supported(model)
         text_config = model.config.get_text_config(decoder=True)
-        if getattr(model.config, "is_encoder_decoder", False):
-            raise NotImplementedError(
-                f"{type(model).__name__} is an encoder-decoder model; PagedCache serves decoder-only models"
-            )
         self.pool: BlockPool = get_pool(model, config=self.cache_config)
         layers = [PagedLayer(self, i, window) for i, window in enumerate(layer_windows(model, text_config))]
         super().__init__(layers=layers)
@@ -107,6 +105,7 @@ class PagedCache(Cache):
         self._seq_length = 0
         self._plan: ForwardPlan | None = None
         self._pending: ForwardInputs | None = None
+        self._scheduled: list[int] | None = None  # tokens each row stores in the next forward (`schedule`)
         self._cow_copies = 0
         self._peak_blocks = 0
         self._layers_per_forward = 0  # most layers seen writing in one forward
@@ -134,6 +133,15 @@ class PagedCache(Cache):
     @property
     def batch_size(self) -> int:
         return len(self._rows)
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self._prefix_caching
+
+    @property
+    def prefix_root(self) -> bytes:
+        """Root of this cache's prefix-hash chains (the model, dtype and adapters it was built for)."""
+        return self._root
 
     @property
     def is_released(self) -> bool:
@@ -197,6 +205,7 @@ class PagedCache(Cache):
         layer_idx = plan.last_layer if layer_idx is None else layer_idx
         if layer_idx not in plan.layers_written:
             raise RuntimeError(f"layer {layer_idx} did not write its K/V in this forward")
+        plan.layers_read.add(layer_idx)
         storage = self.pool.storage
         local = plan.on(storage.device_of(layer_idx))
         first = self.layers[layer_idx].first_visible(self._seq_length - plan.num_new)
@@ -208,6 +217,8 @@ class PagedCache(Cache):
 
     def _write_layer(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):
         plan = self._plan
+        if plan is not None:
+            self._check_tables_were_read(plan, layer_idx)
         if plan is None or layer_idx in plan.layers_written:
             plan = self._plan_forward(key_states)
         plan.layers_written.add(layer_idx)
@@ -227,19 +238,39 @@ class PagedCache(Cache):
             return key_states, value_states
         return self.read_layer(layer_idx)
 
+    def _check_tables_were_read(self, plan: ForwardPlan, layer_idx: int) -> None:
+        """Under the `"hf_paged"` attention `update` hands back only the new tokens: the layer that wrote last must
+        have read its K/V through the tables, or its attention saw only those tokens (a model whose attention does
+        not dispatch to the registered function). Checked when the next layer, or the next complete forward, writes.
+        """
+        last = plan.last_layer
+        if not plan.reads_tables or last is None or last in plan.layers_read:
+            return
+        if layer_idx in plan.layers_written and len(plan.layers_written) < len(self.layers):
+            return  # an unfinished forward: dropped by `_settle`, not a layer that skipped its read
+        raise NotImplementedError(
+            f"{self._model_name}: layer {last} stored its K/V in the paged cache but its attention did not read them "
+            "back through the block tables (the model does not route that attention through the 'hf_paged' "
+            "attention function), so it would have attended to the new tokens only. Generate with "
+            "cache_config={'attn_implementation': 'sdpa'} (or 'eager') to read dense K/V instead."
+        )
+
     def _plan_forward(self, key_states: torch.Tensor) -> ForwardPlan:
         self._settle()
         batch, num_new = key_states.shape[0], key_states.shape[-2]
         inputs = self._pending or ForwardInputs()
-        self._pending = None
+        scheduled, self._pending, self._scheduled = self._scheduled, None, None
         allocator = self.pool.allocator
         with allocator.lock:
             if self._cache_full_blocks():  # the last forward's full blocks: every layer has written them now
                 self._plan = None
             free_before = allocator.num_free
-            created = self._ensure_rows(batch)
+            created = False if scheduled is not None else self._ensure_rows(batch)
             try:
-                stores, pads = self._tokens_to_store(inputs.attention_mask, batch, num_new)
+                if scheduled is not None:
+                    stores, pads = self._check_scheduled(scheduled, batch, num_new), [0] * batch
+                else:
+                    stores, pads = self._tokens_to_store(inputs.attention_mask, batch, num_new)
                 leaders = duplicate_row_leaders(inputs, batch, num_new) if created else None
                 writers = None if leaders is None else [leader == row for row, leader in enumerate(leaders)]
                 requests = [
@@ -267,7 +298,8 @@ class PagedCache(Cache):
                 self._note_peak_blocks()
             tables = [row.table for row in self._rows]
             previous = self._plan
-            if previous is not None and not created and not copies and not any(pads):
+            appended_only = not created and not copies and not any(pads) and min(stores) == num_new
+            if previous is not None and appended_only:
                 self._plan = extend_plan(previous, tables, allocator.block_size, num_new, inputs.reads_tables)
             else:
                 self._plan = plan_forward(
@@ -278,9 +310,18 @@ class PagedCache(Cache):
                     num_new,
                     key_states.device,
                     inputs.reads_tables,
+                    stores,
                     writers,
                 )
         return self._plan
+
+    def _check_scheduled(self, scheduled: list[int], batch: int, num_new: int) -> list[int]:
+        if len(scheduled) != batch or max(scheduled) > num_new:
+            raise ValueError(
+                f"the forward has {batch} row(s) x {num_new} new position(s) but {len(scheduled)} row(s) storing up "
+                f"to {max(scheduled)} token(s) were scheduled"
+            )
+        return scheduled
 
     def _forget_unfinished_forward(self) -> None:
         """If the last forward stopped before every layer wrote (an exception inside the model), drop its tokens:
@@ -379,22 +420,18 @@ class PagedCache(Cache):
     def _reuse_cached_prefix(self, pads: list[int], tokens: list[list[int]]) -> int:
         if len(set(pads)) != 1:
             return 0
-        allocator, size = self.pool.allocator, self.pool.block_size
-        chains, found = [], []
-        for row_tokens in tokens:
-            usable = (len(row_tokens) - 1) // size * size
-            chains.append(chain(self._root, row_tokens[:usable], size))
-            found.append(allocator.lookup_prefix(chains[-1]))
-        num_blocks = min(len(blocks) for blocks in found)
-        if num_blocks == 0:
+        allocator = self.pool.allocator
+        rows = [Row.from_prefix_cache(allocator, self._root, row_tokens) for row_tokens in tokens]
+        num_tokens = min(row.table.num_tokens for row in rows)
+        if num_tokens == 0:
+            _free_rows(allocator, rows)
             return 0
-        for row_tokens, row_chain, blocks in zip(tokens, chains, found):
-            row = Row(allocator.new_table(), pads[0], row_tokens[: num_blocks * size], [h for h, _ in row_chain])
-            del row.hashes[num_blocks:]
-            allocator.share_cached(row.table, blocks[:num_blocks])
-            self._rows.append(row)
-        self._seq_length = pads[0] + num_blocks * size
-        self._prefix_reused += len(tokens) * num_blocks * size
+        for row in rows:
+            row.crop(allocator, num_tokens)
+            row.leading_pads = pads[0]
+        self._rows.extend(rows)
+        self._seq_length = pads[0] + num_tokens
+        self._prefix_reused += len(tokens) * num_tokens
         self._note_peak_blocks()
         return self._seq_length
 
@@ -443,6 +480,44 @@ class PagedCache(Cache):
                 twin._note_peak_blocks()
                 forks.append(twin)
         return forks[0] if n is None else forks
+
+    # ------------------------------------------------------------------ continuous batching
+    def schedule(self, rows: list[Row], new_tokens: list[int]) -> list[int]:
+        """Run the next forward on `rows`, which the caller owns (the `Engine`'s requests), row `i` storing
+        `new_tokens[i]` new tokens.
+
+        The forward's layout right-aligns the rows: its padded length is `max(row tokens + new tokens)` and it
+        computes the last `max(new_tokens)` positions; positions a row already holds inside that window are
+        recomputed but not written again. Returns each row's left padding in that layout (the caller builds the
+        matching `input_ids`, `attention_mask` and `position_ids`). Call `detach_rows()` before freeing rows.
+        """
+        self._settle()
+        if not rows or len(rows) != len(new_tokens) or min(new_tokens) < 1:
+            raise ValueError(
+                f"schedule needs one positive new-token count per row, got {len(rows)} row(s) and {new_tokens}"
+            )
+        totals = [row.table.num_tokens + count for row, count in zip(rows, new_tokens)]
+        length = max(totals)
+        pads = [length - total for total in totals]
+        unchanged = len(rows) == len(self._rows) and all(
+            new is old and new.leading_pads == pad for new, old, pad in zip(rows, self._rows, pads)
+        )
+        if not unchanged:
+            self._plan = None
+        for row, pad in zip(rows, pads):
+            row.leading_pads = pad
+        self._rows[:] = rows
+        self._seq_length = length - max(new_tokens)
+        self._scheduled = list(new_tokens)
+        return pads
+
+    def detach_rows(self) -> None:
+        """Forget the rows given to `schedule` without freeing their blocks (their owner frees them)."""
+        self._rows.clear()
+        self._seq_length = 0
+        self._plan = None
+        self._pending = None
+        self._scheduled = None
 
     # ------------------------------------------------------------------ row operations used by generate
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

@@ -9,14 +9,13 @@
 - `_prepare_cache_for_generation`: where `generate` builds its cache; for a paged request it builds a `PagedCache`
   from `cache_config`.
 
-A forward pre-hook on each model that meets a `PagedCache` hands the cache the forward's 2D attention mask (so pad
-tokens are never stored) and, under the `"hf_paged"` attention, passes the cache to the attention function.
+Forward hooks on each model that meets a `PagedCache` hand the cache the forward's 2D attention mask (so pad tokens
+are never stored) and, under the `"hf_paged"` attention, bind the cache for the attention function to read.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import threading
 from contextlib import contextmanager
@@ -28,10 +27,11 @@ from transformers.generation.utils import GenerationMixin
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils import ModelOutput
 
-from .attention import ATTENTION_NAME, paged_attention_forward
+from .attention import ATTENTION_NAME, bind_paged_cache, paged_attention_forward, unbind_paged_cache
 from .cache import PagedCache
 from .config import PagedCacheConfig
 from .plan import ForwardInputs
+from .support import check_supported
 
 logger = logging.getLogger(__name__)
 
@@ -74,24 +74,22 @@ def disable() -> None:
     AttentionMaskInterface._global_mapping.pop(ATTENTION_NAME, None)
 
 
-# ---------------------------------------------------------------------- forward pre-hook
+# ---------------------------------------------------------------------- forward hooks
 def attach_to_model(model: torch.nn.Module) -> None:
-    """Install (once) the forward pre-hook that binds a `PagedCache` to each forward of `model`."""
+    """Install (once) the forward hooks that bind a `PagedCache` to each forward of `model`."""
     if getattr(model, "_hf_paged_hook", None) is None:
-        model._hf_paged_hook = model.register_forward_pre_hook(_before_forward, with_kwargs=True)
-
-
-@functools.cache
-def _forward_takes_kwargs(model_class: type) -> bool:
-    parameters = inspect.signature(model_class.forward).parameters.values()
-    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+        model._hf_paged_hook = (
+            model.register_forward_pre_hook(_before_forward, with_kwargs=True),
+            model.register_forward_hook(_after_forward, always_call=True),
+        )
 
 
 def _before_forward(module: torch.nn.Module, args: tuple, kwargs: dict):
     cache = kwargs.get("past_key_values")
     if not isinstance(cache, PagedCache):
+        bind_paged_cache(module, None)
         return None
-    reads_tables = module.config._attn_implementation == ATTENTION_NAME and _forward_takes_kwargs(type(module))
+    reads_tables = module.config._attn_implementation == ATTENTION_NAME
     inputs = ForwardInputs(
         attention_mask=kwargs.get("attention_mask"),
         input_ids=kwargs.get("input_ids"),
@@ -99,10 +97,12 @@ def _before_forward(module: torch.nn.Module, args: tuple, kwargs: dict):
         reads_tables=reads_tables,
     )
     cache.bind_forward(module, inputs)
-    if not reads_tables:
-        return None
-    kwargs["paged_cache"] = cache
-    return args, kwargs
+    bind_paged_cache(module, cache if reads_tables else None)
+    return None
+
+
+def _after_forward(module: torch.nn.Module, args: tuple, output) -> None:
+    unbind_paged_cache(module)
 
 
 # ---------------------------------------------------------------------- attention switch
@@ -153,19 +153,68 @@ def _requests() -> list[_PagedRequest]:
     return _state.requests
 
 
-def _asks_for_paged(model, generation_config: GenerationConfig | None, kwargs: dict) -> bool:
+def _paged_request_source(model, generation_config: GenerationConfig | None, kwargs: dict) -> str | None:
+    """`"argument"` when `generate` got `cache_implementation="paged"`, `"config"` when the generation config passed
+    or, for keys it leaves unset, the model's own generation config asks for it (transformers merges them that
+    way), else `None`."""
     if kwargs.get("cache_implementation") is not None:
-        return kwargs["cache_implementation"] == PAGED
-    config = generation_config if generation_config is not None else getattr(model, "generation_config", None)
-    return getattr(config, "cache_implementation", None) == PAGED
+        return "argument" if kwargs["cache_implementation"] == PAGED else None
+    for config in (generation_config, getattr(model, "generation_config", None)):
+        implementation = getattr(config, "cache_implementation", None)
+        if implementation is not None:
+            return "config" if implementation == PAGED else None
+    return None
 
 
 def _cache_config_of(model, generation_config: GenerationConfig | None, kwargs: dict) -> PagedCacheConfig:
     options = kwargs.get("cache_config")
-    if options is None:
-        config = generation_config if generation_config is not None else getattr(model, "generation_config", None)
-        options = getattr(config, "cache_config", None)
+    for config in (generation_config, getattr(model, "generation_config", None)):
+        if options is None:
+            options = getattr(config, "cache_config", None)
     return PagedCacheConfig.from_dict(options)
+
+
+def paged_attention_for(model: torch.nn.Module, config: PagedCacheConfig) -> str:
+    """The attention implementation a paged call runs on. A model that hard-codes its attention classes (it does not
+    dispatch through transformers' `AttentionInterface`, e.g. Falcon) cannot be switched: it keeps its own attention,
+    which reads the paged cache as dense K/V; asking it for another implementation is refused."""
+    requested = config.resolved_attn_implementation
+    current = model.config._attn_implementation
+    if requested == current or model._can_set_attn_implementation():
+        return requested
+    if config.attn_implementation is None:
+        logger.info(
+            "hf_paged: %s hard-codes its attention classes; it reads the paged cache through its own %r attention",
+            type(model).__name__,
+            current,
+        )
+        return current
+    raise ValueError(
+        f"{type(model).__name__} hard-codes its attention classes (it does not dispatch through transformers' "
+        f"AttentionInterface), so cache_config attn_implementation={requested!r} cannot be honoured; it reads the "
+        f"paged cache as dense K/V through its own {current!r} attention. Leave attn_implementation unset, or load "
+        f"the model with attn_implementation={requested!r}."
+    )
+
+
+def _assistant_cache_frames() -> list[list[PagedCache]]:
+    if not hasattr(_state, "assistant_caches"):
+        _state.assistant_caches = []
+    return _state.assistant_caches
+
+
+@contextmanager
+def _releasing_assistant_caches():
+    """Paged caches built for an assistant model during this `generate` (assisted decoding keeps one between its
+    candidate calls) go back to the pool when it returns or fails."""
+    frames = _assistant_cache_frames()
+    frames.append([])
+    try:
+        yield
+    finally:
+        for cache in frames.pop():
+            if not cache.is_released:
+                cache.release()
 
 
 def _check_prompt(model: torch.nn.Module, input_ids: torch.Tensor | None) -> None:
@@ -190,11 +239,12 @@ def _generate_on_user_cache(model, cache: PagedCache, inputs, generation_config,
     """Stock `generate` continuing from the caller's `PagedCache`. A call that fails on a cache that held nothing
     leaves it empty again (its blocks back in the pool)."""
     attach_to_model(model)
-    _check_prompt(model, input_ids)
+    if not getattr(generation_config, "is_assistant", False):
+        _check_prompt(model, input_ids)
     was_empty = not cache.is_released and cache.batch_size == 0
     cache.start_from_prompt(input_ids, kwargs.get("attention_mask"))
     try:
-        with attention_implementation(model, cache.cache_config.resolved_attn_implementation):
+        with attention_implementation(model, paged_attention_for(model, cache.cache_config)):
             return _original_generate(model, inputs, generation_config, **kwargs)
     except BaseException:
         if was_empty and not cache.is_released:
@@ -204,32 +254,40 @@ def _generate_on_user_cache(model, cache: PagedCache, inputs, generation_config,
 
 @functools.wraps(_original_generate)
 def _paged_generate(self, inputs=None, generation_config=None, **kwargs):
+    if getattr(generation_config, "is_assistant", False):
+        return _generate(self, inputs, generation_config, kwargs)
+    with _releasing_assistant_caches():
+        return _generate(self, inputs, generation_config, kwargs)
+
+
+def _generate(model, inputs, generation_config, kwargs: dict):
     user_cache = kwargs.get("past_key_values")
     input_ids = inputs if isinstance(inputs, torch.Tensor) else kwargs.get("input_ids")
-    if not _asks_for_paged(self, generation_config, kwargs):
-        if isinstance(user_cache, PagedCache):
-            return _generate_on_user_cache(self, user_cache, inputs, generation_config, input_ids, kwargs)
-        return _original_generate(self, inputs, generation_config, **kwargs)
+    source = _paged_request_source(model, generation_config, kwargs)
+    if isinstance(user_cache, PagedCache) and source != "argument":
+        # continue on the caller's cache (or, in assisted decoding, on the one the assistant's last call returned)
+        return _generate_on_user_cache(model, user_cache, inputs, generation_config, input_ids, kwargs)
+    if source is None:
+        return _original_generate(model, inputs, generation_config, **kwargs)
 
     if user_cache is not None:
         raise ValueError(
             "Passing both `cache_implementation='paged'` and `past_key_values` is unsupported: pass the PagedCache "
             "alone to continue from it, or neither to build a fresh one."
         )
-    if self.config.is_encoder_decoder:
-        raise NotImplementedError(
-            f"{type(self).__name__} is an encoder-decoder model; paged generation serves decoder-only models"
-        )
-    config = _cache_config_of(self, generation_config, kwargs)
-    _check_prompt(self, input_ids)
+    check_supported(model)
+    config = _cache_config_of(model, generation_config, kwargs)
+    implementation = paged_attention_for(model, config)
+    if not getattr(generation_config, "is_assistant", False):
+        _check_prompt(model, input_ids)
     kwargs.pop("cache_implementation", None)
     kwargs.pop("cache_config", None)
-    request = _PagedRequest(self, config, input_ids, kwargs.get("attention_mask"))
+    request = _PagedRequest(model, config, input_ids, kwargs.get("attention_mask"))
     requests = _requests()
     requests.append(request)
     try:
-        with attention_implementation(self, config.resolved_attn_implementation):
-            output = _original_generate(self, inputs, generation_config, **kwargs)
+        with attention_implementation(model, implementation):
+            output = _original_generate(model, inputs, generation_config, **kwargs)
     except BaseException:
         if request.cache is not None and not request.cache.is_released:
             request.cache.release()
@@ -237,14 +295,22 @@ def _paged_generate(self, inputs=None, generation_config=None, **kwargs):
     finally:
         requests.remove(request)
     cache = request.cache
-    if cache is not None and not (isinstance(output, ModelOutput) and output.get("past_key_values") is cache):
+    if cache is None:
+        return output
+    if not (isinstance(output, ModelOutput) and output.get("past_key_values") is cache):
         cache.release()
+    elif getattr(generation_config, "is_assistant", False) and _assistant_cache_frames():
+        _assistant_cache_frames()[-1].append(cache)
     return output
 
 
 def _prepare_paged_cache(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):
     request = next((r for r in reversed(_requests()) if r.model is self and r.cache is None), None)
     if request is None:
+        cache = model_kwargs.get("past_key_values")
+        if isinstance(cache, PagedCache) and generation_config.cache_implementation == PAGED:
+            cache._is_user_defined = True  # a paged cache continued under a generation config that asks for one
+            return None
         return _original_prepare_cache(
             self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from .support import ATTENTION_LAYER_KINDS, layer_kinds
+
 if TYPE_CHECKING:
     from .cache import PagedCache
 
@@ -63,12 +65,9 @@ class PagedLayer(CacheLayerMixin):
 
 def layer_windows(model: torch.nn.Module, text_config) -> list[int | None]:
     """The sliding window of each decoder layer (`None` for full attention); other layer kinds are refused."""
-    num_layers = text_config.num_hidden_layers
     window = getattr(text_config, "sliding_window", None)
-    layer_types = getattr(text_config, "layer_types", None)
-    if layer_types is None:
-        layer_types = ["sliding_attention" if window is not None else "full_attention"] * num_layers
-    unsupported = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    layer_types = layer_kinds(text_config)
+    unsupported = sorted({t for t in layer_types if t not in ATTENTION_LAYER_KINDS})
     if unsupported:
         raise NotImplementedError(
             f"{type(model).__name__} has {unsupported} layers; PagedCache serves full and sliding-window attention"

@@ -36,6 +36,7 @@ class ForwardPlan:
     reads_tables: bool
     num_new: int
     layers_written: set[int] = field(default_factory=set)
+    layers_read: set[int] = field(default_factory=set)
     last_layer: int | None = None
     _moved: dict = field(default_factory=dict)
     _head_rows: dict = field(default_factory=dict)
@@ -67,11 +68,16 @@ def plan_forward(
     num_new: int,
     device: torch.device,
     reads_tables: bool,
+    stores: list[int] | None = None,
     writers: list[bool] | None = None,
 ) -> ForwardPlan:
     """Addressing, computed from the block tables, for a forward whose stored tokens were just appended to `rows`
-    (padded length now `length`). Rows whose `writers` entry is False share the blocks of another row that writes
-    the same tokens (duplicate prompts), so their new tokens are not written again."""
+    (padded length now `length`).
+
+    Row `i` stores the last `stores[i]` of the forward's `num_new` positions (all of them by default); the positions
+    before those are left pads or tokens the row already holds (recomputed, not written again). Rows whose `writers`
+    entry is False share the blocks of another row that writes the same tokens (duplicate prompts), so their new
+    tokens are not written again."""
     num_cols = max(len(t.block_ids) for t in rows)
     blocks = torch.tensor(
         [t.block_ids + [t.block_ids[0]] * (num_cols - len(t.block_ids)) for t in rows], dtype=torch.long, device=device
@@ -81,9 +87,11 @@ def plan_forward(
     position = logical.clamp(min=0)  # pad positions read the row's first slot
     slot_map = blocks.gather(1, position // block_size) * block_size + position % block_size
     write_slots = slot_map[:, length - num_new :].reshape(-1)
-    if max(leading_pads) <= length - num_new and writers is None:
+    stores = [num_new] * len(rows) if stores is None else stores
+    if writers is None and all(count == num_new for count in stores):
         return ForwardPlan(slot_map, write_slots, None, reads_tables, num_new)
-    stored = logical[:, length - num_new :] >= 0  # pads are not stored
+    first_stored = torch.tensor([t.num_tokens - count for t, count in zip(rows, stores)], device=device)
+    stored = logical[:, length - num_new :] >= first_stored[:, None]
     if writers is not None:
         stored &= torch.tensor(writers, device=device)[:, None]
     stored = stored.reshape(-1)

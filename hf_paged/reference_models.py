@@ -16,27 +16,33 @@ logger = logging.getLogger(__name__)
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-_TINY_COMMON = dict(
+_TOKENS = dict(vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_LLAMA_LIKE = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
-    vocab_size=128,
     max_position_embeddings=512,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
 )
 
+# family -> (config class, model class, config options); every model is two or three layers of width 64
 TINY_FAMILIES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", _LLAMA_LIKE),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {**_LLAMA_LIKE, "sliding_window": None}),
+    "mixtral": (  # sparse mixture of experts
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {**_LLAMA_LIKE, "sliding_window": None, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _LLAMA_LIKE),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {**_LLAMA_LIKE, "head_dim": 16}),  # q/k norms
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {**_LLAMA_LIKE, "head_dim": 16}),
     "gemma2": (
         "Gemma2Config",
         "Gemma2ForCausalLM",
         {  # alternating sliding-window / full layers, logit soft-capping
+            **_LLAMA_LIKE,
             "head_dim": 16,
             "sliding_window": 6,
             "attn_logit_softcapping": 5.0,
@@ -44,11 +50,62 @@ TINY_FAMILIES = {
             "query_pre_attn_scalar": 16,
         },
     ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {  # two sliding-window layers then a full one, q/k norms, local and global rotary bases
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 3,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+            "head_dim": 16,
+            "sliding_window": 6,
+            "query_pre_attn_scalar": 16,
+        },
+    ),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", _LLAMA_LIKE),  # fused qkv projection
+    "gpt2": (  # learned absolute positions, multi-head attention, Conv1D projections
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        {"n_embd": 64, "n_inner": 128, "n_layer": 2, "n_head": 4, "n_positions": 512},
+    ),
+    "opt": (  # learned positions derived from the attention mask
+        "OPTConfig",
+        "OPTForCausalLM",
+        {
+            "hidden_size": 64,
+            "ffn_dim": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "max_position_embeddings": 512,
+        },
+    ),
+    "falcon": (  # hard-coded attention classes; grouped KV heads with the new decoder architecture
+        "FalconConfig",
+        "FalconForCausalLM",
+        {
+            "hidden_size": 64,
+            "ffn_hidden_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_kv_heads": 2,
+            "new_decoder_architecture": True,
+        },
+    ),
+    "gpt_neox": (  # parallel residual, partial rotary
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4},
+    ),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", {**_LLAMA_LIKE, "partial_rotary_factor": 0.25}),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {**_LLAMA_LIKE, "sliding_window": 6}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", _LLAMA_LIKE),
 }
 
 
 def tiny_model(family: str = "llama", seed: int = 0, **overrides) -> torch.nn.Module:
-    """A randomly initialised fp32 model of `family` with two layers of width 64, in eval mode.
+    """A randomly initialised fp32 model of `family` (two or three layers of width 64, a 128-token vocabulary), in
+    eval mode. `overrides` are config options (`num_hidden_layers=1`, `sliding_window=8`,
+    `attn_implementation="eager"`, ...).
 
     Example:
 
@@ -64,7 +121,7 @@ def tiny_model(family: str = "llama", seed: int = 0, **overrides) -> torch.nn.Mo
     if family not in TINY_FAMILIES:
         raise ValueError(f"unknown tiny family {family!r}; choose one of {sorted(TINY_FAMILIES)}")
     config_name, model_name, family_options = TINY_FAMILIES[family]
-    config = getattr(transformers, config_name)(**{**_TINY_COMMON, **family_options, **overrides})
+    config = getattr(transformers, config_name)(**{**_TOKENS, **family_options, **overrides})
     torch.manual_seed(seed)
     return getattr(transformers, model_name)(config).eval()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .allocator import BlockAllocator, BlockTable
-from .prefix import block_hash
+from .prefix import block_hash, chain
 
 
 @dataclass(eq=False)
@@ -24,6 +24,17 @@ class Row:
     leading_pads: int = 0
     tokens: list[int] | None = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)
+
+    @classmethod
+    def from_prefix_cache(cls, allocator: BlockAllocator, root: bytes, tokens: list[int]) -> Row:
+        """A new row holding the longest cached, block-aligned prefix of `tokens` that leaves at least one token to
+        compute (possibly none of it)."""
+        size = allocator.block_size
+        links = chain(root, tokens[: (len(tokens) - 1) // size * size], size)
+        blocks = allocator.lookup_prefix(links)
+        row = cls(allocator.new_table(), 0, list(tokens[: len(blocks) * size]), [h for h, _ in links[: len(blocks)]])
+        allocator.share_cached(row.table, blocks)
+        return row
 
     def fork(self, allocator: BlockAllocator) -> Row:
         """A row sharing every block of this one."""

@@ -1,0 +1,414 @@
+"""`Engine`: continuous batching over a model's global block pool."""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+from transformers import GenerationConfig
+
+from ..cache import PagedCache
+from ..generation import attention_implementation, paged_attention_for
+from .params import SamplingParams
+from .request import Request, RequestOutput, RequestStatus
+from .sampler import next_tokens
+from .scheduler import Scheduler, Step
+from .stats import EngineStats, percentile
+from .text import TextTracker
+
+Prompt = str | Sequence[int]
+
+
+class Engine:
+    """Serve many prompts at once on one model: requests join and leave the running batch every step.
+
+    Every step either prefills newly admitted requests (reusing cached prompt prefixes) or decodes one token for
+    every running request, as one batch of the stock model forward over a `PagedCache`: rows keep their own lengths
+    and no padding is stored. Requests hold blocks only for the tokens they have; finished or aborted requests free
+    them the same step; when the pool runs out mid-decode the most recently admitted request is preempted and later
+    recomputed, with the same output.
+
+    Args:
+        model (`PreTrainedModel`): a decoder-only model; its global pool is used (`hf_paged.get_pool`).
+        tokenizer (*optional*): needed for string prompts, `text` in outputs and stop strings.
+        max_batch_size (`int`): most requests running at once.
+        max_prefill_tokens (`int`): most padded positions in one prefill forward.
+        progress (`bool`, *optional*): tqdm bar in `generate`; by default only when stderr is a terminal.
+        **cache_config: pool options (`block_size`, `num_blocks`, `max_memory`, `prefix_caching`, ...).
+
+    Example:
+
+    ```python
+    >>> import hf_paged, torch
+    >>> from hf_paged.reference_models import tiny_model
+    >>> model = tiny_model("llama")
+    >>> engine = hf_paged.Engine(model, block_size=4, num_blocks=64)
+    >>> outputs = engine.generate([[1, 2, 3], [4, 5, 6, 7, 8]], max_new_tokens=4)
+    >>> [len(o.token_ids) for o in outputs], outputs[0].finish_reason
+    ([4, 4], 'length')
+    >>> expected = model.generate(torch.tensor([[4, 5, 6, 7, 8]]), max_new_tokens=4, do_sample=False)
+    >>> outputs[1].token_ids == expected[0, 5:].tolist()
+    True
+    >>> engine.pool.stats().num_used
+    0
+
+    ```
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer=None,
+        *,
+        max_batch_size: int = 64,
+        max_prefill_tokens: int = 4096,
+        progress: bool | None = None,
+        **cache_config,
+    ):
+        for name, value in (("max_batch_size", max_batch_size), ("max_prefill_tokens", max_prefill_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.progress = progress
+        self.cache = PagedCache(model, **cache_config)
+        self.pool = self.cache.pool
+        root = self.cache.prefix_root if self.cache.prefix_caching else None
+        self.scheduler = Scheduler(self.pool.allocator, root, max_batch_size, max_prefill_tokens)
+        text_config = model.config.get_text_config(decoder=True)
+        self.vocab_size = text_config.vocab_size
+        self.max_context = getattr(text_config, "max_position_embeddings", None)
+        self.pad_token_id = _pad_token_id(model, tokenizer)
+        self.device = model.get_input_embeddings().weight.device
+        self._keep_last_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._lock = threading.RLock()
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.last_stats: EngineStats | None = None
+        self.reset_stats()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        prompt: Prompt,
+        generation_config: GenerationConfig | SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        **options,
+    ) -> str:
+        """Queue one prompt (a string, with a tokenizer, or token ids); returns its request id.
+
+        Options are `SamplingParams` fields (`max_new_tokens`, `do_sample`, `temperature`, `top_k`, `top_p`,
+        `repetition_penalty`, `eos_token_id`, `stop`/`stop_strings`, `seed`, `min_new_tokens`) over
+        `generation_config` (default: the model's).
+        """
+        params = self._params(generation_config, options)
+        prompt_ids = self._prompt_ids(prompt)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings {list(params.stop)} need a tokenizer: Engine(model, tokenizer)")
+        generator = None
+        if params.do_sample:
+            if params.seed is None:
+                params = params.with_seed(int(torch.randint(0, 2**62, (1,))))
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        with self._lock:
+            if request_id is None:
+                request_id = f"req-{next(self._ids)}"
+            elif request_id in self._requests:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            text = None if self.tokenizer is None else TextTracker(self.tokenizer, params.stop)
+            request = Request(request_id, prompt_ids, params, text, generator)
+            self._requests[request_id] = request
+            if params.max_new_tokens == 0:
+                request.finish("length")
+            else:
+                self.scheduler.add(request)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its output (`None` if unknown or already done). The next
+        `step()` reports it as finished too (for `stream`)."""
+        with self._lock:
+            request = self._requests.get(request_id)
+            if request is None or request.finished:
+                return None
+            self.scheduler.finish(request, "abort")
+            return request.output()  # the next step() reports it once more, to whoever streams it
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether a request is queued, running, or finished but not yet reported by `step()`."""
+        with self._lock:
+            return bool(self._requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        """Run one forward (prefill or decode) and return the output of every request that changed; finished
+        requests are reported once and forgotten."""
+        with self._lock:
+            changed = [r for r in self._requests.values() if r.finished]  # max_new_tokens=0, or failed earlier
+            step, failed = self.scheduler.schedule()
+            changed += failed
+            if step is not None:
+                self._run(step)
+                changed += step.requests
+            self._last_step_time = time.perf_counter()
+            outputs = []
+            for request in dict.fromkeys(changed):
+                outputs.append(request.output())
+                if request.finished:
+                    self._account_finished(request)
+                    self._requests.pop(request.request_id, None)
+            return outputs
+
+    def _run(self, step: Step) -> None:
+        try:
+            logits = self._forward(step)
+            tokens = next_tokens(step.requests, logits)
+        except BaseException as error:
+            for request in step.requests:
+                self.scheduler.finish(request, "error", f"{type(error).__name__}: {error}")
+            self.cache.detach_rows()
+            raise
+        self._counters["steps"] += 1
+        self._counters[f"{step.kind}_steps"] += 1
+        if step.kind == "prefill":
+            self._counters["admitted_tokens"] += sum(len(r.token_ids) for r in step.requests)
+            self._counters["reused_tokens"] += sum(len(r.token_ids) - n for r, n in zip(step.requests, step.new_tokens))
+        for request, token in zip(step.requests, tokens):
+            request.append_token(token)
+            reason = self._finish_reason(request, token)
+            if reason is not None:
+                self.scheduler.finish(request, reason)
+
+    def _forward(self, step: Step) -> torch.Tensor:
+        pads = self.cache.schedule([r.row for r in step.requests], step.new_tokens)
+        inputs = self._forward_inputs(step, pads, max(step.new_tokens), self.cache.get_seq_length())
+        if self._keep_last_logits:
+            inputs["logits_to_keep"] = 1
+        implementation = paged_attention_for(self.model, self.cache.cache_config)
+        with torch.inference_mode(), attention_implementation(self.model, implementation):
+            output = self.model(**inputs, past_key_values=self.cache, use_cache=True)
+        return output.logits[:, -1, :]
+
+    def _forward_inputs(self, step: Step, pads: list[int], width: int, past_length: int) -> dict[str, torch.Tensor]:
+        """`input_ids`, `attention_mask` and `position_ids` of the right-aligned layout `PagedCache.schedule` chose:
+        row `i` has `pads[i]` left pads and computes the last `width` of its positions."""
+        length = past_length + width
+        windows = [r.token_ids[-width:] for r in step.requests]
+        device = self.device
+        input_ids = torch.tensor(
+            [[self.pad_token_id] * (width - len(w)) + w for w in windows], dtype=torch.long, device=device
+        )
+        pads_column = torch.tensor(pads, device=device)[:, None]
+        attention_mask = (torch.arange(length, device=device)[None, :] >= pads_column).long()
+        position_ids = (torch.arange(past_length, length, device=device)[None, :] - pads_column).clamp(min=0)
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+
+    def _finish_reason(self, request: Request, token: int) -> str | None:
+        params = request.params
+        generated = len(request.output_token_ids)
+        if token in params.eos_token_id and generated >= params.min_new_tokens:
+            return "stop"
+        if request.text is not None and request.text.stopped:
+            return "stop"
+        if generated >= params.max_new_tokens:
+            return "length"
+        if self.max_context is not None and len(request.token_ids) >= self.max_context:
+            return "length"
+        return None
+
+    # ------------------------------------------------------------------ batch APIs
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        generation_config: GenerationConfig | SamplingParams | Sequence | None = None,
+        *,
+        progress: bool | None = None,
+        **options,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in input order (token ids, text with a tokenizer, finish
+        reason). `generation_config` may be one config for all prompts or one per prompt; `options` apply to all.
+        A request that can never fit in the pool finishes alone with `finish_reason="error"`."""
+        prompts = _as_prompt_list(prompts)
+        configs = _per_prompt(generation_config, len(prompts))
+        self.reset_stats()
+        ids = [self.add_request(p, c, **options) for p, c in zip(prompts, configs)]
+        results = self._drive(ids, progress)
+        self.last_stats = self.stats()
+        return [results[i] for i in ids]
+
+    def stream(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        generation_config: GenerationConfig | SamplingParams | Sequence | None = None,
+        **options,
+    ) -> Iterator[RequestOutput]:
+        """Like `generate`, but yields each request's incremental output (`new_token_ids`, `new_text`) as steps
+        produce it. Closing the iterator early aborts the requests not yet finished."""
+        prompts = _as_prompt_list(prompts)
+        configs = _per_prompt(generation_config, len(prompts))
+        ids = [self.add_request(p, c, **options) for p, c in zip(prompts, configs)]
+        pending = set(ids)
+        try:
+            while pending:
+                for output in self.step():
+                    if output.request_id in pending:
+                        if output.finished:
+                            pending.discard(output.request_id)
+                        yield output
+        finally:
+            with self._lock:
+                for request_id in pending:  # the caller stopped listening: nobody needs their final report
+                    if self.abort(request_id) is not None:
+                        self._account_finished(self._requests.pop(request_id))
+
+    def _drive(self, ids: list[str], progress: bool | None) -> dict[str, RequestOutput]:
+        from tqdm.auto import tqdm
+
+        show = progress if progress is not None else self.progress
+        show = sys.stderr.isatty() if show is None else show
+        results: dict[str, RequestOutput] = {}
+        pending = set(ids)
+        with tqdm(total=len(ids), desc="hf_paged", unit="req", disable=not show) as bar:
+            while pending:
+                for output in self.step():
+                    if output.finished and output.request_id in pending:
+                        pending.discard(output.request_id)
+                        results[output.request_id] = output
+                        bar.update(1)
+        return results
+
+    # ------------------------------------------------------------------ stats and shutdown
+    def reset_stats(self) -> None:
+        with self._lock:
+            self._counters = dict.fromkeys(
+                (
+                    "num_requests",
+                    "prompt_tokens",
+                    "generated_tokens",
+                    "steps",
+                    "prefill_steps",
+                    "decode_steps",
+                    "admitted_tokens",
+                    "reused_tokens",
+                ),
+                0,
+            )
+            self._ttfts: list[float] = []
+            self._preemptions_at_reset = self.scheduler.num_preemptions
+            self._start_time = self._last_step_time = time.perf_counter()
+            self.pool.reset_peak()
+
+    def stats(self) -> EngineStats:
+        """Counters since the last `reset_stats()` (see `EngineStats`)."""
+        with self._lock:
+            c = self._counters
+            elapsed = max(self._last_step_time - self._start_time, 1e-9)
+            return EngineStats(
+                num_requests=c["num_requests"],
+                prompt_tokens=c["prompt_tokens"],
+                generated_tokens=c["generated_tokens"],
+                elapsed_s=elapsed,
+                requests_per_s=c["num_requests"] / elapsed,
+                tokens_per_s=c["generated_tokens"] / elapsed,
+                mean_ttft_s=sum(self._ttfts) / len(self._ttfts) if self._ttfts else None,
+                p90_ttft_s=percentile(self._ttfts, 0.9),
+                num_steps=c["steps"],
+                prefill_steps=c["prefill_steps"],
+                decode_steps=c["decode_steps"],
+                preemptions=self.scheduler.num_preemptions - self._preemptions_at_reset,
+                peak_blocks=self.pool.stats().peak_used,
+                prefix_hit_rate=c["reused_tokens"] / c["admitted_tokens"] if c["admitted_tokens"] else 0.0,
+            )
+
+    def _account_finished(self, request: Request) -> None:
+        self._counters["num_requests"] += 1
+        self._counters["prompt_tokens"] += len(request.prompt_token_ids)
+        self._counters["generated_tokens"] += len(request.output_token_ids)
+        if request.first_token_time is not None:
+            self._ttfts.append(request.first_token_time - request.arrival_time)
+
+    def close(self) -> None:
+        """Abort every request and return all blocks to the pool."""
+        with self._lock:
+            for request_id in list(self._requests):
+                self.abort(request_id)
+            self._requests.clear()
+            self.cache.detach_rows()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ input checks
+    def _params(self, generation_config, options: dict) -> SamplingParams:
+        if isinstance(generation_config, SamplingParams):
+            return SamplingParams.from_generation_config(None, **{**_fields(generation_config), **options})
+        config = generation_config if generation_config is not None else self.model.generation_config
+        return SamplingParams.from_generation_config(config, **options)
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("string prompts need a tokenizer: Engine(model, tokenizer)")
+            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        elif isinstance(prompt, torch.Tensor):
+            ids = prompt.reshape(-1).tolist()
+        else:
+            ids = list(prompt)
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids must be ints in [0, {self.vocab_size}), got {bad[:5]}")
+        if not ids:
+            raise ValueError("the prompt is empty; a request needs at least one token")
+        if self.max_context is not None and len(ids) >= self.max_context:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; the model's context window is {self.max_context} tokens"
+            )
+        return ids
+
+
+def _pad_token_id(model, tokenizer) -> int:
+    for source in (model.generation_config, tokenizer):
+        value = getattr(source, "pad_token_id", None)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def _fields(params: SamplingParams) -> dict:
+    return {name: getattr(params, name) for name in params.__dataclass_fields__}
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    if isinstance(prompts, torch.Tensor):
+        return [row for row in prompts.tolist()] if prompts.dim() == 2 else [prompts.tolist()]
+    return list(prompts)
+
+
+def _per_prompt(generation_config, count: int) -> list:
+    if isinstance(generation_config, Sequence) and not isinstance(generation_config, str):
+        if len(generation_config) != count:
+            raise ValueError(f"{len(generation_config)} generation configs for {count} prompts")
+        return list(generation_config)
+    return [generation_config] * count
+
+
+__all__ = ["Engine", "RequestStatus"]

@@ -1,0 +1,120 @@
+"""`SamplingParams`: what one request asks of the `Engine` (a `GenerationConfig`-style subset, validated)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+from transformers import GenerationConfig
+
+_FROM_GENERATION_CONFIG = (
+    "max_new_tokens",
+    "min_new_tokens",
+    "do_sample",
+    "temperature",
+    "top_k",
+    "top_p",
+    "repetition_penalty",
+)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Decoding options of one request.
+
+    Attributes:
+        max_new_tokens (`int`): most tokens to generate (0 returns at once).
+        min_new_tokens (`int`): end-of-sequence tokens are suppressed until this many were generated.
+        do_sample (`bool`): sample from the processed distribution (otherwise greedy).
+        temperature, top_k, top_p (`float`, `int`, `float`): sampling warpers (ignored when greedy), as in
+            `GenerationConfig`; `top_k=0` and `top_p=1.0` disable theirs.
+        repetition_penalty (`float`): `RepetitionPenaltyLogitsProcessor`'s penalty (1.0: off).
+        eos_token_id (`tuple[int, ...]`): tokens that end the request (kept in its output).
+        stop (`tuple[str, ...]`): strings that end the request (cut from its text; needs a tokenizer).
+        seed (`int`, *optional*): seed of the request's own random generator, so its samples do not depend on the
+            other requests in the batch.
+
+    Example:
+
+    ```python
+    >>> from hf_paged.engine import SamplingParams
+    >>> SamplingParams(max_new_tokens=8, do_sample=True, top_p=0.9, seed=0).top_p
+    0.9
+    >>> SamplingParams(temperature=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: temperature must be > 0, got 0
+
+    ```
+    """
+
+    max_new_tokens: int = 16
+    min_new_tokens: int = 0
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    eos_token_id: tuple[int, ...] = field(default_factory=tuple)
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    seed: int | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "eos_token_id", _as_tuple(self.eos_token_id, int, "eos_token_id"))
+        object.__setattr__(self, "stop", _as_tuple(self.stop, str, "stop"))
+        for name in ("max_new_tokens", "min_new_tokens", "top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if any(not text for text in self.stop):
+            raise ValueError("stop strings must not be empty")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+
+    @classmethod
+    def from_generation_config(cls, generation_config: GenerationConfig | None = None, **overrides) -> SamplingParams:
+        """Options from a `GenerationConfig` (the model's, usually), then `overrides` (`eos_token_id`, `stop` or
+        `stop_strings`, `seed` and the fields above). Unknown names raise `TypeError`."""
+        known = {f.name for f in fields(cls)} | {"stop_strings"}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(f"unknown generation options {unknown}; supported: {sorted(known)}")
+        values = {}
+        if generation_config is not None:
+            for name in _FROM_GENERATION_CONFIG:
+                value = getattr(generation_config, name, None)
+                if value is not None:
+                    values[name] = value
+            if generation_config.eos_token_id is not None:
+                values["eos_token_id"] = generation_config.eos_token_id
+            if getattr(generation_config, "stop_strings", None):
+                values["stop"] = generation_config.stop_strings
+        if "stop_strings" in overrides:
+            overrides["stop"] = overrides.pop("stop_strings")
+        values.update({k: v for k, v in overrides.items() if v is not None or k == "seed"})
+        if values.get("top_k") is None:
+            values.pop("top_k", None)
+        return cls(**values)
+
+    def with_seed(self, seed: int) -> SamplingParams:
+        return replace(self, seed=seed)
+
+    @property
+    def uses_processors(self) -> bool:
+        """Whether next-token choice needs more than an argmax over the logits."""
+        return self.do_sample or self.repetition_penalty != 1.0 or self.min_new_tokens > 0
+
+
+def _as_tuple(value, kind: type, name: str) -> tuple:
+    if value is None:
+        return ()
+    items = (value,) if isinstance(value, kind) else tuple(value)
+    for item in items:
+        if not isinstance(item, kind) or isinstance(item, bool):
+            raise ValueError(f"{name} must be a {kind.__name__} or a list of them, got {value!r}")
+    return items

@@ -1,0 +1,172 @@
+"""`Scheduler`: which requests run the next forward — admission, decode, preemption. Pure Python over the
+allocator; it never touches tensors."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from ..allocator import BlockAllocator
+from ..rows import Row
+from .request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One forward: `requests` each storing `new_tokens[i]` tokens. A prefill step admits waiting requests (their
+    prompt, or prompt plus output after a preemption); a decode step feeds every running request its last token."""
+
+    kind: str
+    requests: list[Request]
+    new_tokens: list[int]
+
+
+class Scheduler:
+    """First come, first served continuous batching over one block pool.
+
+    Each `schedule()` admits waiting requests in arrival order while the pool holds their uncached prompt blocks
+    on top of what the running requests need for their next token (and the padded prefill stays within
+    `max_prefill_tokens`); admitted requests are prefilled in one forward. Otherwise every running request decodes
+    one token; when the pool cannot hold that, the most recently admitted request is preempted: its blocks go back
+    (full ones stay in the prefix cache) and it waits at the head of the queue to be recomputed.
+
+    Args:
+        allocator (`BlockAllocator`): the pool's allocator.
+        root (`bytes`, *optional*): prefix-cache namespace root; `None` turns prefix reuse off.
+        max_batch_size (`int`): most requests running at once.
+        max_prefill_tokens (`int`): most padded positions (rows x width) in one prefill forward; a single request
+            is always admitted alone.
+
+    Example:
+
+    ```python
+    >>> from hf_paged import BlockAllocator
+    >>> from hf_paged.engine.params import SamplingParams
+    >>> from hf_paged.engine.request import Request
+    >>> scheduler = Scheduler(BlockAllocator(num_blocks=4, block_size=4), root=None)
+    >>> scheduler.add(Request("a", [1, 2, 3, 4, 5], SamplingParams()))
+    >>> step, failed = scheduler.schedule()
+    >>> step.kind, step.new_tokens, step.requests[0].row.table.block_ids
+    ('prefill', [5], [])
+
+    ```
+    """
+
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        root: bytes | None,
+        max_batch_size: int = 64,
+        max_prefill_tokens: int = 4096,
+    ):
+        self.allocator = allocator
+        self.root = root
+        self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def finish(self, request: Request, reason: str, error: str | None = None) -> None:
+        """End `request` (finished, aborted or failed) and return its blocks at once."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._drop_row(request)
+        request.finish(reason, error)
+
+    def schedule(self) -> tuple[Step | None, list[Request]]:
+        """The next forward (or `None` when idle), and the requests that failed because they can never fit."""
+        failed: list[Request] = []
+        admitted = self._admit(failed)
+        if admitted:
+            new_tokens = [len(r.token_ids) - r.row.table.num_tokens for r in admitted]
+            return Step("prefill", admitted, new_tokens), failed
+        self._make_room_for_decode(failed)
+        if not self.running:
+            return None, failed
+        return Step("decode", list(self.running), [1] * len(self.running)), failed
+
+    # ------------------------------------------------------------------ admission
+    def _admit(self, failed: list[Request]) -> list[Request]:
+        allocator = self.allocator
+        reserve = allocator.num_blocks_needed_for([(r.row.table, 1) for r in self.running])
+        admitted: list[Request] = []
+        width = 0
+        while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
+            request = self.waiting[0]
+            tokens = request.token_ids
+            blocks = -(-(len(tokens) + 1) // allocator.block_size)
+            if blocks > allocator.num_blocks:
+                self.waiting.popleft()
+                request.finish(
+                    "error",
+                    f"the request needs {blocks} blocks of {allocator.block_size} tokens for its {len(tokens)} "
+                    f"tokens and the next one, but the whole pool has {allocator.num_blocks} blocks",
+                )
+                failed.append(request)
+                continue
+            row = self._new_row(tokens)
+            new = len(tokens) - row.table.num_tokens
+            over_budget = admitted and (len(admitted) + 1) * max(width, new) > self.max_prefill_tokens
+            if over_budget or allocator.num_blocks_needed(row.table, new) + reserve > allocator.num_free:
+                allocator.free(row.table)
+                break
+            self.waiting.popleft()
+            reserve += allocator.num_blocks_needed(row.table, new)
+            width = max(width, new)
+            request.row = row
+            request.prefix_tokens_reused += row.table.num_tokens
+            request.status = RequestStatus.RUNNING
+            admitted.append(request)
+        self.running.extend(admitted)
+        return admitted
+
+    def _new_row(self, tokens: list[int]) -> Row:
+        if self.root is None:
+            return Row(self.allocator.new_table(), tokens=None)
+        return Row.from_prefix_cache(self.allocator, self.root, tokens)
+
+    # ------------------------------------------------------------------ decode and preemption
+    def _make_room_for_decode(self, failed: list[Request]) -> None:
+        allocator = self.allocator
+        while self.running:
+            needed = allocator.num_blocks_needed_for([(r.row.table, 1) for r in self.running])
+            if needed <= allocator.num_free:
+                return
+            victim = self.running[-1]
+            if len(self.running) == 1:
+                self.finish(
+                    victim,
+                    "error",
+                    f"the request holds {len(victim.row.table.block_ids)} blocks and needs {needed} more, but the "
+                    f"pool has {allocator.num_blocks} blocks in all",
+                )
+                failed.append(victim)
+                return
+            self._preempt(victim)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._drop_row(request)
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        logger.debug("hf_paged: preempted request %s (%d tokens)", request.request_id, len(request.token_ids))
+
+    def _drop_row(self, request: Request) -> None:
+        if request.row is not None:
+            self.allocator.free(request.row.table)
+            request.row = None

@@ -1,0 +1,76 @@
+"""Which models a `PagedCache` can serve exactly, and the reason it refuses the others."""
+
+from __future__ import annotations
+
+import torch
+
+ATTENTION_LAYER_KINDS = ("full_attention", "sliding_attention")
+
+
+def layer_kinds(text_config) -> list[str]:
+    """The kind of each decoder layer: `layer_types` when the config has them, else `"sliding_attention"` with a
+    `sliding_window`, `"chunked_attention"` with an `attention_chunk_size`, and `"full_attention"` otherwise."""
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is not None:
+        return list(layer_types)
+    if getattr(text_config, "sliding_window", None) is not None:
+        kind = "sliding_attention"
+    elif getattr(text_config, "attention_chunk_size", None) is not None:
+        kind = "chunked_attention"
+    else:
+        kind = "full_attention"
+    return [kind] * text_config.num_hidden_layers
+
+
+def check_supported(model: torch.nn.Module) -> None:
+    """Raise `NotImplementedError` naming the model and the reason when a `PagedCache` cannot serve it exactly.
+
+    A paged cache stores, per decoder layer, the keys and values of every head for each token, and reads them back
+    in full or through a sliding window. Refused: encoder-decoder models (their decoder cache also holds
+    cross-attention K/V of the encoder output), layers that keep a recurrent or linear-attention state, chunked
+    attention, multi-head latent attention (the cache holds compressed latents of two different widths instead of
+    per-head K/V), and layers that read the K/V of another layer (KV sharing).
+
+    Example:
+
+    ```python
+    >>> from transformers import MambaConfig, MambaForCausalLM
+    >>> try:
+    ...     check_supported(MambaForCausalLM(MambaConfig(hidden_size=16, num_hidden_layers=1, vocab_size=32)))
+    ... except NotImplementedError as error:
+    ...     print(str(error).split(";")[0])
+    MambaForCausalLM has no attention heads (it keeps a recurrent state per layer)
+
+    ```
+    """
+    name = type(model).__name__
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        raise NotImplementedError(
+            f"{name} is an encoder-decoder model (its decoder cache also holds the cross-attention K/V of the encoder "
+            "output); PagedCache serves decoder-only models"
+        )
+    text_config = config.get_text_config(decoder=True)
+    if getattr(text_config, "num_attention_heads", None) is None:
+        raise NotImplementedError(
+            f"{name} has no attention heads (it keeps a recurrent state per layer); PagedCache stores the keys and "
+            "values of attention layers"
+        )
+    kinds = layer_kinds(text_config)
+    unsupported = sorted({kind for kind in kinds if kind not in ATTENTION_LAYER_KINDS})
+    if unsupported:
+        where = [i for i, kind in enumerate(kinds) if kind not in ATTENTION_LAYER_KINDS]
+        raise NotImplementedError(
+            f"{name} has {unsupported} layers (layers {where[:8]}); PagedCache serves full and sliding-window "
+            "attention layers, whose cache is per-token K/V (not a recurrent, linear-attention or chunked state)"
+        )
+    if getattr(text_config, "kv_lora_rank", None) is not None:
+        raise NotImplementedError(
+            f"{name} uses multi-head latent attention (kv_lora_rank={text_config.kv_lora_rank}): its cache holds "
+            "compressed latents expanded inside the attention, not per-head K/V; PagedCache does not serve it"
+        )
+    sharing = getattr(text_config, "kv_sharing_modes", None)
+    if sharing is not None and any(mode == "reuse" for mode in sharing):
+        raise NotImplementedError(
+            f"{name} shares K/V between layers (kv_sharing_modes); PagedCache stores each layer's own K/V"
+        )

@@ -1,0 +1,361 @@
+"""Engine: continuous batching is token-identical to one `model.generate` per prompt, frees blocks at once, and
+fails bad requests alone."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+import hf_paged
+from hf_paged import Engine
+from hf_paged.engine.scheduler import Step
+from hf_paged.reference_models import tiny_model
+
+
+def mixed_prompts(count: int, vocab_size: int, seed: int = 0, longest: int = 40, most_new: int = 24):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, vocab_size) for _ in range(rng.randint(1, longest))] for _ in range(count)]
+    return prompts, [rng.randint(1, most_new) for _ in prompts]
+
+
+def alone(model, prompt: list[int], max_new_tokens: int, **options) -> list[int]:
+    """The reference: the prompt generated alone with stock generate and DynamicCache."""
+    output = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, **options)
+    return output[0, len(prompt) :].tolist()
+
+
+def drive(engine: Engine) -> dict[str, hf_paged.RequestOutput]:
+    """Step until idle, checking the pool after every step; the final output of every request."""
+    finals = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+        engine.pool.check_invariants()
+    return finals
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def workload(model):
+    prompts, news = mixed_prompts(64, model.config.vocab_size)
+    fixed = {"do_sample": False}
+    expected = [alone(model, p, n, min_new_tokens=n, **fixed) for p, n in zip(prompts, news)]
+    return prompts, news, expected
+
+
+@pytest.mark.parametrize("num_blocks", [512, 40], ids=["roomy-pool", "pool-too-small"])
+def test_greedy_matches_generate_alone(model, workload, num_blocks):
+    prompts, news, expected = workload
+    engine = Engine(model, block_size=4, num_blocks=num_blocks)
+    ids = [engine.add_request(p, max_new_tokens=n, min_new_tokens=n) for p, n in zip(prompts, news)]
+    finals = drive(engine)
+    assert [finals[i].token_ids for i in ids] == expected
+    assert all(finals[i].finish_reason == "length" for i in ids)
+    stats = engine.stats()
+    assert stats.num_requests == 64 and stats.generated_tokens == sum(news)
+    assert engine.pool.stats().num_used == 0
+    if num_blocks == 40:  # 64 prompts need ~380 blocks at once: queueing and preemption are forced
+        assert stats.preemptions > 0 and stats.peak_blocks <= 40
+        assert any(finals[i].num_preemptions for i in ids)
+    else:
+        assert stats.preemptions == 0 and stats.prefill_steps == 1
+
+
+class UnmaskedEngine(Engine):
+    """Negative control: lets every row attend to its left pads."""
+
+    def _forward_inputs(self, step, pads, width, past_length):
+        inputs = super()._forward_inputs(step, pads, width, past_length)
+        inputs["attention_mask"] = torch.ones_like(inputs["attention_mask"])
+        return inputs
+
+
+def test_negative_control_unmasked_pads_change_outputs(model, workload):
+    prompts, news, expected = workload
+    engine = UnmaskedEngine(model, block_size=4, num_blocks=512)
+    outputs = engine.generate(prompts[:16], max_new_tokens=8, min_new_tokens=8)
+    assert [o.token_ids for o in outputs] != [e[:8] for e in expected[:16]]
+
+
+def test_generate_returns_outputs_in_input_order(model, workload):
+    prompts, news, expected = workload
+    engine = Engine(model, block_size=8, num_blocks=256)
+    eos = model.generation_config.eos_token_id
+    configs = [GenerationConfig(max_new_tokens=n, min_new_tokens=n, eos_token_id=eos) for n in news[:10]]
+    outputs = engine.generate(prompts[:10], configs)
+    assert [o.token_ids for o in outputs] == expected[:10]
+    assert engine.last_stats.num_requests == 10
+    assert engine.pool.stats().num_used == 0
+
+
+def test_sampling_with_a_seed_ignores_the_rest_of_the_batch(model, workload):
+    prompts, _, _ = workload
+    options = {
+        "do_sample": True,
+        "top_k": 20,
+        "top_p": 0.9,
+        "temperature": 0.8,
+        "max_new_tokens": 12,
+        "eos_token_id": 2,
+    }
+    engine = Engine(model, block_size=4, num_blocks=256)
+    [solo] = engine.generate([prompts[0]], seed=1234, **options)
+    crowd = engine.generate(
+        prompts[:12], [hf_paged.SamplingParams(seed=1234 if i == 0 else i, **options) for i in range(12)]
+    )
+    assert crowd[0].token_ids == solo.token_ids
+    again = engine.generate(prompts[5:0:-1] + [prompts[0]], seed=1234, **options)
+    assert again[-1].token_ids == solo.token_ids
+    assert len({tuple(o.token_ids) for o in crowd}) > 1
+
+
+def test_abort_mid_stream_frees_blocks_at_once(model, workload):
+    prompts, _, _ = workload
+    engine = Engine(model, block_size=4, num_blocks=256)
+    stream = engine.stream(prompts[:4], max_new_tokens=30, min_new_tokens=30)
+    first = next(stream)
+    held = engine.pool.stats().num_used
+    output = engine.abort(first.request_id)
+    assert output.finish_reason == "abort" and output.finished
+    assert engine.pool.stats().num_used < held
+    assert engine.abort(first.request_id) is None  # already gone
+    finals = {o.request_id: o for o in stream if o.finished}
+    assert len(finals) == 4 and finals[first.request_id].finish_reason == "abort"
+    assert sorted(o.finish_reason for o in finals.values()) == ["abort", "length", "length", "length"]
+    assert engine.pool.stats().num_used == 0
+
+
+def test_closing_a_stream_early_aborts_its_requests(model, workload):
+    prompts, _, _ = workload
+    engine = Engine(model, block_size=4, num_blocks=256)
+    stream = engine.stream(prompts[:3], max_new_tokens=20, min_new_tokens=20)
+    next(stream)
+    stream.close()
+    assert engine.pool.stats().num_used == 0 and not engine.has_unfinished_requests()
+
+
+def test_stream_deltas_add_up_to_generate(model, workload):
+    prompts, news, expected = workload
+    engine = Engine(model, block_size=4, num_blocks=256)
+    pieces: dict[str, list[int]] = {}
+    finals = {}
+    for output in engine.stream(prompts[:6], max_new_tokens=10, min_new_tokens=10):
+        pieces.setdefault(output.request_id, []).extend(output.new_token_ids)
+        assert output.token_ids[-len(output.new_token_ids) :] == output.new_token_ids
+        if output.finished:
+            finals[output.request_id] = output
+    assert len(finals) == 6
+    assert all(pieces[i] == finals[i].token_ids for i in finals)
+    assert sorted(len(p) for p in pieces.values()) == [10] * 6
+
+
+def test_prompt_larger_than_the_pool_fails_alone(model, workload):
+    prompts, news, expected = workload
+    engine = Engine(model, block_size=4, num_blocks=16)
+    huge = list(range(3, 3 + 70))  # 70 tokens + 1 need 18 blocks of 4
+    outputs = engine.generate([prompts[0], huge, prompts[1]], max_new_tokens=5, min_new_tokens=5)
+    assert outputs[1].finish_reason == "error" and outputs[1].token_ids == []
+    assert "18 blocks" in outputs[1].error and "16 blocks" in outputs[1].error
+    assert outputs[0].token_ids == expected[0][:5] and outputs[2].token_ids == expected[1][:5]
+    assert engine.pool.stats().num_used == 0
+
+
+def test_a_sequence_outgrowing_the_whole_pool_fails_with_its_tokens(model):
+    engine = Engine(model, block_size=4, num_blocks=4)
+    [output] = engine.generate([[5, 6, 7]], max_new_tokens=40, min_new_tokens=40)
+    assert output.finish_reason == "error" and "4 blocks in all" in output.error
+    assert len(output.token_ids) == 4 * 4 - 3 + 1  # the pool holds 16 positions; the last token is never stored
+    assert engine.pool.stats().num_used == 0
+
+
+def test_eos_ends_a_request_with_reason_stop(model, workload):
+    prompts, news, expected = workload
+    index = next(i for i, e in enumerate(expected) if len(e) >= 4 and e[3] not in e[:3])
+    eos = expected[index][3]
+    engine = Engine(model, block_size=4, num_blocks=128)
+    [output] = engine.generate([prompts[index]], max_new_tokens=20, eos_token_id=eos)
+    assert output.token_ids == expected[index][:4] and output.finish_reason == "stop"
+
+
+def test_max_new_tokens_zero_returns_at_once(model):
+    engine = Engine(model, block_size=4, num_blocks=32)
+    [output] = engine.generate([[5, 6, 7]], max_new_tokens=0)
+    assert output.token_ids == [] and output.finish_reason == "length"
+
+
+def test_shared_prefixes_are_reused_and_stay_exact(model):
+    rng = random.Random(3)
+    system = [rng.randrange(3, 128) for _ in range(32)]
+    prompts = [system + [rng.randrange(3, 128) for _ in range(rng.randint(1, 9))] for _ in range(12)]
+    expected = [alone(model, p, 6, min_new_tokens=6, do_sample=False) for p in prompts]
+    engine = Engine(model, block_size=8, num_blocks=256)
+    engine.generate(prompts[:1], max_new_tokens=6, min_new_tokens=6)  # puts the system prompt's blocks in the cache
+    outputs = engine.generate(prompts, max_new_tokens=6, min_new_tokens=6)
+    assert [o.token_ids for o in outputs] == expected
+    assert engine.last_stats.prefix_hit_rate > 0.5
+    assert all(o.prefix_tokens_reused >= 32 for o in outputs)
+
+
+def test_a_failing_forward_fails_its_batch_and_the_engine_recovers(model, workload):
+    prompts, news, expected = workload
+    engine = Engine(model, block_size=4, num_blocks=128)
+    calls = {"n": 0}
+
+    def fail_third_forward(module, args):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected failure")
+
+    handle = model.model.layers[1].register_forward_pre_hook(fail_third_forward)
+    try:
+        ids = [engine.add_request(p, max_new_tokens=6, min_new_tokens=6) for p in prompts[:3]]
+        with pytest.raises(RuntimeError, match="injected failure"):
+            drive(engine)
+    finally:
+        handle.remove()
+    engine.pool.check_invariants()
+    assert engine.pool.stats().num_used == 0
+    failed = drive(engine)  # the failed requests are reported, with the error
+    assert {o.finish_reason for o in failed.values()} == {"error"} and set(failed) == set(ids)
+    assert "injected failure" in failed[ids[0]].error
+    outputs = engine.generate(prompts[:3], max_new_tokens=6, min_new_tokens=6)
+    assert [o.token_ids for o in outputs] == [e[:6] for e in expected[:3]]
+
+
+def test_requests_added_from_another_thread_join_the_batch(model, workload):
+    prompts, news, expected = workload
+    engine = Engine(model, block_size=4, num_blocks=256)
+    first = engine.add_request(prompts[0], max_new_tokens=news[0], min_new_tokens=news[0])
+    engine.step()
+    ids = []
+    worker = threading.Thread(
+        target=lambda: ids.extend(
+            engine.add_request(p, max_new_tokens=n, min_new_tokens=n) for p, n in zip(prompts[1:8], news[1:8])
+        )
+    )
+    worker.start()
+    worker.join()
+    finals = drive(engine)
+    assert [finals[i].token_ids for i in [first, *ids]] == expected[:8]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "options", "message"),
+    [
+        ([], {}, "the prompt is empty"),
+        ([1, 2.5], {}, r"token ids must be ints in \[0, 128\), got \[2.5\]"),
+        ([1, 500], {}, r"token ids must be ints in \[0, 128\), got \[500\]"),
+        ("hello", {}, "string prompts need a tokenizer"),
+        ([1, 2], {"stop": ["x"]}, "stop strings"),
+        ([1, 2], {"max_new_tokens": -1}, "max_new_tokens must be an int >= 0, got -1"),
+        ([1, 2], {"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
+        ([1, 2], {"temperature": 0.0}, "temperature must be > 0, got 0.0"),
+        (list(range(1, 100)) * 6, {}, "594 tokens; the model.s context window is 512 tokens"),
+    ],
+)
+def test_bad_requests_are_refused_clearly(model, prompt, options, message):
+    engine = Engine(model, block_size=4, num_blocks=32)
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(prompt, **options)
+    assert not engine.has_unfinished_requests() and engine.pool.stats().num_used == 0
+
+
+def test_unknown_option_and_bad_engine_settings(model):
+    engine = Engine(model, block_size=4, num_blocks=32)
+    with pytest.raises(TypeError, match=r"unknown generation options \['beams'\]"):
+        engine.add_request([1, 2], beams=4)
+    with pytest.raises(ValueError, match="max_batch_size must be a positive int, got 0"):
+        Engine(model, max_batch_size=0, block_size=4, num_blocks=32)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([1, 2], request_id="a")
+        engine.add_request([1, 2], request_id="a")
+    engine.close()
+    assert engine.pool.stats().num_used == 0
+
+
+def test_progress_bar_only_when_asked(model, capsys):
+    engine = Engine(model, block_size=4, num_blocks=64)
+    engine.generate([[1, 2, 3]] * 3, max_new_tokens=2, progress=True)
+    assert "3/3" in capsys.readouterr().err
+    engine.generate([[1, 2, 3]] * 3, max_new_tokens=2)  # stderr is not a terminal under pytest
+    assert "3/3" not in capsys.readouterr().err
+
+
+def test_step_kinds(model):
+    engine = Engine(model, block_size=4, num_blocks=64)
+    engine.add_request([1, 2, 3], max_new_tokens=3)
+    step, failed = engine.scheduler.schedule()
+    assert isinstance(step, Step) and step.kind == "prefill" and step.new_tokens == [3] and not failed
+    engine.close()
+    assert engine.pool.stats().num_used == 0
+
+
+# ---------------------------------------------------------------------- SmolLM2-135M end to end
+QUESTIONS = [
+    "What is a page table?",
+    "Name three colours.",
+    "Write a haiku about memory.",
+    "Why is the sky blue? Answer in one sentence.",
+    "List two prime numbers.",
+    "What does a cache do?",
+    "Say hello in French.",
+    "Explain copy-on-write briefly.",
+]
+
+
+@pytest.fixture(scope="module")
+def chat_workload(smollm2):
+    model, tokenizer = smollm2
+    rng = random.Random(7)
+    prompts, news = [], []
+    for index in range(64):
+        question = QUESTIONS[index % len(QUESTIONS)] + " " * rng.randint(0, 3) + "Detail." * rng.randint(0, 3)
+        messages = [{"role": "user", "content": question}]
+        prompts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        if isinstance(prompts[-1], dict) or hasattr(prompts[-1], "keys"):
+            prompts[-1] = prompts[-1]["input_ids"]
+        news.append(rng.randint(2, 8))
+    expected = [alone(model, p, n, do_sample=False) for p, n in zip(prompts, news)]
+    return prompts, news, expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_blocks", [256, 24], ids=["roomy-pool", "pool-too-small"])
+def test_smollm2_engine_matches_generate_alone(smollm2, chat_workload, num_blocks):
+    model, tokenizer = smollm2
+    prompts, news, expected = chat_workload
+    engine = Engine(model, tokenizer, block_size=16, num_blocks=num_blocks)
+    ids = [engine.add_request(p, max_new_tokens=n) for p, n in zip(prompts, news)]
+    finals = drive(engine)
+    assert [finals[i].token_ids for i in ids] == expected
+    assert finals[ids[0]].text == tokenizer.decode(expected[0], skip_special_tokens=True)
+    stats = engine.stats()
+    assert engine.pool.stats().num_used == 0
+    if num_blocks == 24:  # recomputed requests find their full blocks (and the shared system prompt) cached
+        assert stats.preemptions > 0 and stats.peak_blocks <= 24 and stats.prefix_hit_rate > 0
+
+
+def test_smollm2_stop_strings_and_streamed_text(smollm2):
+    model, tokenizer = smollm2
+    engine = Engine(model, tokenizer, block_size=16, num_blocks=128)
+    messages = [{"role": "user", "content": "Count from one to ten in words, separated by commas."}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    [full] = engine.generate([prompt], max_new_tokens=24)
+    words = full.text.split()
+    assert len(words) > 4, full.text
+    stop = words[3]
+    cut = full.text.index(stop)
+    streamed = "".join(o.new_text for o in engine.stream([prompt], max_new_tokens=24, stop=[stop]))
+    [stopped] = engine.generate([prompt], max_new_tokens=24, stop_strings=[stop])
+    assert stopped.text == full.text[:cut] == streamed
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) < len(full.token_ids)
+    assert engine.pool.stats().num_used == 0

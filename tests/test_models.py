@@ -1,0 +1,378 @@
+"""Model families: each supported family, as a tiny random fp32 model, generates on the paged cache exactly what it
+generates on `DynamicCache` (greedy, sampling, beam search, several returned sequences, assisted decoding), under the
+"hf_paged" attention and under stock attentions reading the paged cache; families the paged cache cannot serve are
+refused with an error naming the model and the reason."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+
+import pytest
+import torch
+import transformers
+
+import hf_paged
+from hf_paged import PagedCache, get_pool
+from hf_paged.reference_models import TINY_FAMILIES, tiny_model
+
+from .conftest import left_padded_batch
+
+CACHE = {"block_size": 4, "num_blocks": 256}  # small blocks: every row spans several; a small pool checks fast
+TOLERANCE = 1e-5
+MAX_NEW_TOKENS = 10
+
+# case -> (tiny family, config overrides)
+CASES = {
+    "llama": ("llama", {}),
+    "mistral": ("mistral", {"sliding_window": 6}),
+    "mixtral": ("mixtral", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "gemma": ("gemma", {}),
+    "gemma2": ("gemma2", {}),
+    "gemma3": ("gemma3", {}),
+    "phi3": ("phi3", {}),
+    "gpt2": ("gpt2", {}),
+    "opt": ("opt", {}),
+    "falcon": ("falcon", {}),
+    "falcon-alibi": ("falcon", {"alibi": True, "new_decoder_architecture": False, "multi_query": True}),
+    "gpt_neox": ("gpt_neox", {}),
+    "stablelm": ("stablelm", {}),
+    "starcoder2": ("starcoder2", {}),
+    "olmo2": ("olmo2", {}),
+}
+# stock attentions each case is checked with (transformers itself refuses SDPA for Gemma2's soft-capped logits)
+STOCK_ATTENTIONS = {case: ("eager",) if case == "gemma2" else ("sdpa", "eager") for case in CASES}
+
+MODES = {  # prompt lengths of a left-padded batch, and the decoding options
+    "greedy": ((5, 11, 8), {"do_sample": False}),
+    "sample": ((5, 11, 8), {"do_sample": True}),
+    "beams": ((5, 9), {"num_beams": 4, "do_sample": False}),
+    "return_sequences": ((5, 9), {"do_sample": True, "num_return_sequences": 2}),
+}
+STOCK_CASES = [(case, implementation) for case in CASES for implementation in STOCK_ATTENTIONS[case]]
+
+
+@pytest.fixture(scope="module")
+def models():
+    """`models(case, attn_implementation=None, seed=0)`: the case's tiny model, built once per module."""
+    built = {}
+
+    def get(case: str, attn_implementation: str | None = None, seed: int = 0):
+        key = (case, attn_implementation, seed)
+        if key not in built:
+            family, overrides = CASES[case]
+            if attn_implementation is not None:
+                overrides = {**overrides, "attn_implementation": attn_implementation}
+            built[key] = tiny_model(family, seed=seed, **overrides)
+        return built[key]
+
+    yield get
+    built.clear()
+
+
+def assert_equivalent(reference, paged) -> None:
+    """Token-identical sequences; logits of every step (and beam scores) within `TOLERANCE`."""
+    assert torch.equal(reference.sequences, paged.sequences)
+    assert len(reference.logits) == len(paged.logits)
+    gap = max((a - b).abs().max().item() for a, b in zip(reference.logits, paged.logits))
+    assert gap <= TOLERANCE, f"logits differ by {gap:.2e}"
+    if getattr(reference, "sequences_scores", None) is not None:
+        assert torch.allclose(reference.sequences_scores, paged.sequences_scores, atol=TOLERANCE, rtol=0)
+        assert torch.equal(reference.beam_indices, paged.beam_indices)
+
+
+def generate_both(model, paged_options: dict, paged_context=None, **kwargs):
+    """The same seeded `generate` call on `DynamicCache` and on the paged cache (run inside `paged_context`); the
+    paged cache is released."""
+    kwargs = {
+        "max_new_tokens": MAX_NEW_TOKENS,
+        "pad_token_id": 0,
+        "return_dict_in_generate": True,
+        "output_logits": True,
+        **kwargs,
+    }
+    torch.manual_seed(1234)
+    reference = model.generate(**kwargs)
+    torch.manual_seed(1234)
+    with paged_context or nullcontext():
+        paged = model.generate(**kwargs, cache_implementation="paged", cache_config=paged_options)
+    assert isinstance(paged.past_key_values, PagedCache)
+    paged.past_key_values.release()
+    assert get_pool(model).stats().num_used == 0
+    return reference, paged
+
+
+def check_mode(model, paged_options: dict, mode: str) -> None:
+    lengths, options = MODES[mode]
+    input_ids, attention_mask = left_padded_batch(list(lengths), seed=len(mode))
+    reference, paged = generate_both(
+        model, paged_options, input_ids=input_ids, attention_mask=attention_mask, **options
+    )
+    assert_equivalent(reference, paged)
+
+
+def test_every_tiny_family_is_in_the_matrix():
+    assert sorted({family for family, _ in CASES.values()}) == sorted(TINY_FAMILIES)
+
+
+# ---------------------------------------------------------------------- the equivalence matrix
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", CASES)
+def test_hf_paged_attention_matches_dynamic_cache(models, case, mode):
+    check_mode(models(case), CACHE, mode)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "beams"])
+@pytest.mark.parametrize("case,implementation", STOCK_CASES)
+def test_stock_attention_reading_a_paged_cache_matches_dynamic_cache(models, case, implementation, mode):
+    check_mode(models(case, implementation), {**CACHE, "attn_implementation": implementation}, mode)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sample", "return_sequences"])
+@pytest.mark.parametrize("case,implementation", STOCK_CASES)
+def test_stock_attention_sampling_matches_dynamic_cache(models, case, implementation, mode):
+    check_mode(models(case, implementation), {**CACHE, "attn_implementation": implementation}, mode)
+
+
+@contextmanager
+def paged_assistant(assistant):
+    """The assistant model generates on a paged cache of its own while the block runs (through its generation
+    config, as transformers' assisted decoding passes it no cache options)."""
+    config = assistant.generation_config
+    saved = config.cache_implementation, config.cache_config
+    config.cache_implementation, config.cache_config = "paged", dict(CACHE)
+    try:
+        yield
+    finally:
+        config.cache_implementation, config.cache_config = saved
+
+
+@pytest.mark.parametrize("method", ["prompt_lookup", "assistant_model"])
+@pytest.mark.parametrize("case", CASES)
+def test_assisted_decoding_matches_dynamic_cache(models, case, method):
+    """Assisted greedy decoding of one repetitive prompt: prompt lookup, or an assistant of the same family (other
+    weights) whose own cache is paged in the paged run."""
+    model = models(case)
+    prompt = torch.randint(3, 12, (1, 24), generator=torch.Generator().manual_seed(5))  # repeats: lookup hits
+    kwargs = {"input_ids": prompt, "do_sample": False, "max_new_tokens": 12}
+    assistant = None
+    if method == "prompt_lookup":
+        kwargs["prompt_lookup_num_tokens"] = 3
+    else:
+        assistant = models(case, seed=3)
+        kwargs["assistant_model"] = assistant
+    context = paged_assistant(assistant) if assistant is not None else nullcontext()
+    reference, paged = generate_both(model, CACHE, paged_context=context, **kwargs)
+    assert_equivalent(reference, paged)
+    if assistant is not None:
+        pool = get_pool(assistant)
+        assert pool.last_cache_stats is not None and pool.stats().num_used == 0
+
+
+# ---------------------------------------------------------------------- families with their own attention
+def test_falcon_keeps_its_own_attention_and_refuses_another(models):
+    """Falcon picks its attention classes when it is built, so transformers cannot switch them: paged generation
+    runs Falcon's own attention on dense K/V read from the pool (exact, above), and refuses to pretend otherwise."""
+    model = models("falcon")
+    input_ids = torch.randint(3, 128, (1, 6))
+    refusal = "FalconForCausalLM hard-codes its attention classes .* attn_implementation='eager' cannot be honoured"
+    with pytest.raises(ValueError, match=refusal):
+        model.generate(
+            input_ids=input_ids,
+            max_new_tokens=2,
+            pad_token_id=0,
+            cache_implementation="paged",
+            cache_config={**CACHE, "attn_implementation": "eager"},
+        )
+    assert model.config._attn_implementation == "sdpa"
+    assert get_pool(model).stats().num_used == 0
+
+
+def test_attention_that_bypasses_the_block_tables_is_refused_not_silently_wrong():
+    """Negative control: a Falcon forced onto the "hf_paged" name still runs its own attention, which would see only
+    each step's new tokens; the cache notices that the layer never read its K/V back and raises."""
+    model = tiny_model("falcon")
+    model.config._attn_implementation_internal = "hf_paged"
+    with pytest.raises(NotImplementedError, match="FalconForCausalLM: layer 0 .* did not read them back"):
+        model.generate(
+            input_ids=torch.randint(3, 128, (1, 6)),
+            max_new_tokens=3,
+            pad_token_id=0,
+            cache_implementation="paged",
+            cache_config=CACHE,
+        )
+    assert get_pool(model).stats().num_used == 0
+
+
+def test_layers_that_do_not_pass_kwargs_to_their_attention_still_read_the_tables(models):
+    """StableLM's decoder layers call their attention without the forward's keyword arguments; the "hf_paged"
+    attention finds the cache through hf_paged's per-thread binding. An unpadded single prompt is the case where
+    the mask is skipped, so only reading the tables keeps decoding exact."""
+    model = models("stablelm")
+    input_ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(2))
+    reference, paged = generate_both(model, CACHE, input_ids=input_ids, do_sample=False)
+    assert_equivalent(reference, paged)
+    assert hf_paged.attention.bound_paged_cache() is None  # unbound once the forwards are over
+
+
+# ---------------------------------------------------------------------- refused families
+def tiny(config_name: str, model_name: str, **options) -> torch.nn.Module:
+    config = getattr(transformers, config_name)(
+        vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, **options
+    )
+    torch.manual_seed(0)
+    return getattr(transformers, model_name)(config).eval()
+
+
+def assert_refused(model, message: str) -> None:
+    """Both `generate(cache_implementation="paged")` and `PagedCache(model)` raise, before any pool is made."""
+    pools = len(hf_paged.live_pools())
+    with pytest.raises(NotImplementedError, match=message):
+        model.generate(input_ids=torch.randint(3, 128, (1, 5)), max_new_tokens=2, cache_implementation="paged")
+    with pytest.raises(NotImplementedError, match=message):
+        PagedCache(model)
+    assert len(hf_paged.live_pools()) == pools
+
+
+def test_encoder_decoder_t5_is_refused():
+    model = tiny(
+        "T5Config",
+        "T5ForConditionalGeneration",
+        d_model=32,
+        d_ff=64,
+        num_layers=1,
+        num_heads=2,
+        d_kv=16,
+        decoder_start_token_id=0,
+    )
+    assert_refused(model, "T5ForConditionalGeneration is an encoder-decoder model .* cross-attention")
+
+
+def test_encoder_decoder_bart_is_refused():
+    model = tiny(
+        "BartConfig",
+        "BartForConditionalGeneration",
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+    )
+    assert_refused(model, "BartForConditionalGeneration is an encoder-decoder model")
+
+
+def test_linear_attention_hybrid_qwen3_next_is_refused():
+    model = tiny(
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_value_heads=2,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        layer_types=["linear_attention", "full_attention"],
+    )
+    assert_refused(model, r"Qwen3NextForCausalLM has \['linear_attention'\] layers \(layers \[0\]\)")
+
+
+def test_mamba_hybrid_jamba_is_refused():
+    model = tiny(
+        "JambaConfig",
+        "JambaForCausalLM",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=2,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+    )
+    assert_refused(model, r"JambaForCausalLM has \['linear_attention'\] layers .*not a recurrent")
+
+
+def test_recurrent_mamba_is_refused():
+    model = tiny("MambaConfig", "MambaForCausalLM", hidden_size=64, num_hidden_layers=2, state_size=8)
+    assert_refused(model, "MambaForCausalLM has no attention heads")
+
+
+def test_multi_head_latent_attention_deepseek_v3_is_refused():
+    model = tiny(
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+    )
+    assert_refused(model, r"DeepseekV3ForCausalLM uses multi-head latent attention \(kv_lora_rank=16\)")
+
+
+def test_chunked_attention_llama4_is_refused():
+    model = tiny(
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        hidden_size=64,
+        intermediate_size=128,
+        intermediate_size_mlp=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=2,
+        attention_chunk_size=8,
+    )
+    assert_refused(model, r"Llama4ForCausalLM has \['chunked_attention'\] layers")
+
+
+def test_kv_sharing_gemma3n_is_refused():
+    model = tiny(
+        "Gemma3nTextConfig",
+        "Gemma3nForCausalLM",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_kv_shared_layers=2,
+        sliding_window=6,
+        laurel_rank=8,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=128,
+        altup_num_inputs=2,
+        activation_sparsity_pattern=[0.0] * 4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    )
+    assert_refused(model, "Gemma3nForCausalLM shares K/V between layers")

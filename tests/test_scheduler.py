@@ -1,0 +1,129 @@
+"""Scheduler: exact admission, decode and preemption decisions over a real allocator (no model; a forward is
+simulated by appending the scheduled tokens to each row and choosing token 7)."""
+
+from __future__ import annotations
+
+from hf_paged import BlockAllocator
+from hf_paged.engine.params import SamplingParams
+from hf_paged.engine.request import Request, RequestStatus
+from hf_paged.engine.scheduler import Scheduler
+from hf_paged.prefix import root_hash
+
+ROOT = root_hash(b"test")
+
+
+def request(name: str, prompt_length: int, max_new_tokens: int = 100) -> Request:
+    return Request(name, list(range(10, 10 + prompt_length)), SamplingParams(max_new_tokens=max_new_tokens))
+
+
+def run(scheduler: Scheduler, step) -> None:
+    """What the engine does with a step: store the tokens, generate one more."""
+    for req, count in zip(step.requests, step.new_tokens):
+        scheduler.allocator.append(req.row.table, count)
+        if req.row.tokens is not None:
+            req.row.record(req.token_ids[-count:])
+        req.append_token(7)
+    if scheduler.root is not None:
+        for req in step.requests:
+            req.row.cache_full_blocks(scheduler.allocator, scheduler.root)
+
+
+def names(requests) -> list[str]:
+    return [r.request_id for r in requests]
+
+
+def test_admission_is_first_come_first_served_within_the_free_blocks():
+    allocator = BlockAllocator(num_blocks=8, block_size=4)
+    scheduler = Scheduler(allocator, root=None)
+    for name, length in (("a", 9), ("b", 8), ("c", 13), ("d", 1)):
+        scheduler.add(request(name, length))
+    step, failed = scheduler.schedule()
+    # a needs 3 blocks, b 2 more (5); c would need 4 more (9 > 8): admission stops at c, d waits behind it
+    assert (step.kind, names(step.requests), step.new_tokens, failed) == ("prefill", ["a", "b"], [9, 8], [])
+    assert names(scheduler.waiting) == ["c", "d"]
+    run(scheduler, step)
+    assert [len(r.row.table.block_ids) for r in step.requests] == [3, 2] and allocator.num_free == 3
+    step, _ = scheduler.schedule()
+    # b's next token needs a block (its 2 blocks are full): c's 4 blocks do not fit in the 3 - 1 left
+    assert (step.kind, names(step.requests), step.new_tokens) == ("decode", ["a", "b"], [1, 1])
+
+
+def test_the_most_recently_admitted_request_is_preempted_and_recomputed_first():
+    allocator = BlockAllocator(num_blocks=6, block_size=2)
+    scheduler = Scheduler(allocator, root=None)
+    a, b = request("a", 3), request("b", 3)
+    scheduler.add(a)
+    run(scheduler, scheduler.schedule()[0])  # a: blocks [0, 1]
+    scheduler.add(b)
+    run(scheduler, scheduler.schedule()[0])  # b: blocks [2, 3]
+    for _ in range(3):  # a and b reach 6 tokens: blocks [0, 1, 4] and [2, 3, 5]
+        step, _ = scheduler.schedule()
+        assert names(step.requests) == ["a", "b"]
+        run(scheduler, step)
+    assert (a.row.table.block_ids, b.row.table.block_ids, allocator.num_free) == ([0, 1, 4], [2, 3, 5], 0)
+    step, failed = scheduler.schedule()  # both need a 4th block, none is free: b goes
+    assert (names(step.requests), failed, scheduler.num_preemptions) == (["a"], [], 1)
+    assert b.row is None and b.status is RequestStatus.WAITING and b.num_preemptions == 1
+    assert names(scheduler.waiting) == ["b"] and sorted(allocator.free_block_ids) == [2, 3, 5]
+    run(scheduler, step)
+    scheduler.finish(a, "length")
+    assert allocator.num_free == 6
+    step, _ = scheduler.schedule()  # b comes back with its prompt and the 4 tokens it had generated
+    assert (step.kind, names(step.requests), step.new_tokens) == ("prefill", ["b"], [7])
+    assert b.token_ids == list(range(10, 13)) + [7, 7, 7, 7]
+
+
+def test_a_request_that_can_never_fit_fails_alone():
+    allocator = BlockAllocator(num_blocks=4, block_size=4)
+    scheduler = Scheduler(allocator, root=None)
+    big, small = request("big", 16), request("small", 3)
+    scheduler.add(big)
+    scheduler.add(small)
+    step, failed = scheduler.schedule()
+    assert names(failed) == ["big"] and big.finish_reason == "error"
+    assert big.error == (
+        "the request needs 5 blocks of 4 tokens for its 16 tokens and the next one, but the whole pool has 4 blocks"
+    )
+    assert names(step.requests) == ["small"]
+
+
+def test_a_lone_request_outgrowing_the_pool_fails_with_its_blocks_returned():
+    allocator = BlockAllocator(num_blocks=2, block_size=2)
+    scheduler = Scheduler(allocator, root=None)
+    scheduler.add(request("a", 3))
+    run(scheduler, scheduler.schedule()[0])
+    run(scheduler, scheduler.schedule()[0])  # 4 tokens: both blocks full
+    step, failed = scheduler.schedule()
+    assert step is None and names(failed) == ["a"] and "needs 1 more" in failed[0].error
+    assert allocator.num_free == 2 and not scheduler.has_work
+
+
+def test_batch_size_and_prefill_budget_limit_admission():
+    allocator = BlockAllocator(num_blocks=64, block_size=4)
+    scheduler = Scheduler(allocator, root=None, max_batch_size=3, max_prefill_tokens=20)
+    for name, length in (("a", 25), ("b", 2), ("c", 2), ("d", 2), ("e", 2)):
+        scheduler.add(request(name, length))
+    step, _ = scheduler.schedule()
+    assert names(step.requests) == ["a"]  # alone it exceeds the budget, but a request is always admitted
+    run(scheduler, step)
+    step, _ = scheduler.schedule()
+    assert names(step.requests) == ["b", "c"]  # the batch is full at 3 running
+    run(scheduler, step)
+    step, _ = scheduler.schedule()
+    assert step.kind == "decode" and names(scheduler.waiting) == ["d", "e"]
+
+
+def test_admission_reuses_cached_prefix_blocks():
+    allocator = BlockAllocator(num_blocks=16, block_size=4)
+    scheduler = Scheduler(allocator, root=ROOT)
+    first = request("first", 10)
+    scheduler.add(first)
+    run(scheduler, scheduler.schedule()[0])
+    cached = first.row.table.block_ids[:2]  # tokens 10..17, full
+    scheduler.finish(first, "length")
+    assert allocator.stats().num_cached == 2 and allocator.num_used == 0
+    second = request("second", 9)  # same first 8 tokens
+    scheduler.add(second)
+    step, _ = scheduler.schedule()
+    assert step.new_tokens == [1] and second.row.table.block_ids == cached and second.prefix_tokens_reused == 8
+    assert [allocator.ref_count(b) for b in cached] == [1, 1]
