@@ -537,8 +537,8 @@ MACHINE_SETTINGS = (
     settings(max_examples=2_000, stateful_step_count=150, deadline=None, suppress_health_check=list(HealthCheck))
     if LONG_TESTS
     else settings(
-        max_examples=300,
-        stateful_step_count=60,
+        max_examples=400,
+        stateful_step_count=80,
         deadline=None,
         derandomize=True,
         database=None,
