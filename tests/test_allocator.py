@@ -547,6 +547,7 @@ MACHINE_SETTINGS = (
 )
 
 
+@pytest.mark.slow
 def test_allocator_state_machine_runs_the_target_number_of_steps():
     AllocatorMachine.steps, AllocatorMachine.seen = 0, Counter()
     run_state_machine_as_test(AllocatorMachine, settings=MACHINE_SETTINGS)
