@@ -235,7 +235,7 @@ class BlockAllocator:
             needed = self.num_blocks_needed_for(requests)
             if needed > self.num_free:
                 what = what or f"appending {sum(count for _, count in requests)} token(s)"
-                raise PoolExhaustedError(needed, self.num_free, what=what)
+                raise PoolExhaustedError(needed, self.num_free, what=what, num_blocks=self.num_blocks)
             copies = []
             for table, num_new_tokens in requests:
                 if num_new_tokens:

@@ -483,6 +483,7 @@ class PagedCache(Cache):
                 twin = PagedCache(model, **options)
                 twin._rows.extend(row.fork(self.pool.allocator) for row in self._rows)
                 twin._seq_length = self._seq_length
+                twin._layers_per_forward = self._layers_per_forward  # so a fork notices its own unfinished forward
                 twin._note_peak_blocks()
                 forks.append(twin)
         return forks[0] if n is None else forks
@@ -540,6 +541,8 @@ class PagedCache(Cache):
         self._settle()
         if not self._rows:
             return
+        if any(isinstance(i, bool) or not isinstance(i, int) for i in sources):
+            raise TypeError(f"{caller}: row indices must be integers, got {sources[:5]}")
         bad = [i for i in sources if not 0 <= i < len(self._rows)]
         if bad:
             raise IndexError(f"{caller}: row indices {bad[:5]} are out of range for a cache of {len(self._rows)} rows")
@@ -587,8 +590,10 @@ class PagedCache(Cache):
         self._pending = None
 
     def release(self) -> None:
-        """Return every block to the pool for good; using the cache afterwards raises. The cache's final `stats()`
-        stay readable as `pool.last_cache_stats`."""
+        """Return every block to the pool for good; using the cache afterwards raises, releasing it again does
+        nothing. The cache's final `stats()` stay readable as `pool.last_cache_stats`."""
+        if self._released:
+            return
         self._settle()
         self.pool.last_cache_stats = self.stats()
         self.reset()

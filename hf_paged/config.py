@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 DEFAULT_BLOCK_SIZE = 16
@@ -89,6 +90,8 @@ class PagedCacheConfig:
 
     @classmethod
     def from_dict(cls, options: dict | None) -> PagedCacheConfig:
+        if options is not None and not isinstance(options, Mapping):
+            raise TypeError(f"cache_config must be a dict, got {type(options).__name__} {options!r}")
         options = dict(options or {})
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
@@ -113,7 +116,10 @@ class PagedCacheConfig:
             )
         if self.max_memory is not None:
             object.__setattr__(self, "max_memory", parse_memory(self.max_memory))
-        if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
+        fraction = self.memory_fraction
+        if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))):
+            raise TypeError(f"cache_config memory_fraction must be a number in (0, 1], got {fraction!r}")
+        if fraction is not None and not 0 < fraction <= 1:
             raise ValueError(f"cache_config memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.prefix_caching is not None and not isinstance(self.prefix_caching, bool):
             raise TypeError(f"cache_config prefix_caching must be True or False, got {self.prefix_caching!r}")

@@ -9,15 +9,22 @@ class PoolExhaustedError(RuntimeError):
     Attributes:
         num_needed (`int`): blocks the request needed.
         num_free (`int`): blocks that were free.
+        num_blocks (`int | None`): blocks in the whole pool, when known.
     """
 
-    def __init__(self, num_needed: int, num_free: int, what: str = "the request"):
+    def __init__(self, num_needed: int, num_free: int, what: str = "the request", num_blocks: int | None = None):
         self.num_needed = num_needed
         self.num_free = num_free
+        self.num_blocks = num_blocks
+        more_memory = "cache_config={'num_blocks': ...} or {'max_memory': ...}"
+        if num_blocks is not None and num_needed > num_blocks:
+            advice = f"The whole pool has only {num_blocks} blocks: give it more memory ({more_memory}) or shorten "
+            advice += "the request."
+        else:
+            advice = f"Give the pool more memory ({more_memory}), shorten the request, or release caches you no "
+            advice += "longer need."
         super().__init__(
-            f"KV block pool exhausted: {what} needs {num_needed} more block(s) but only {num_free} are free. "
-            "Give the pool more memory (cache_config={'num_blocks': ...} or {'max_memory': ...}), "
-            "shorten the request, or release caches you no longer need."
+            f"KV block pool exhausted: {what} needs {num_needed} more block(s) but only {num_free} are free. {advice}"
         )
 
 

@@ -217,6 +217,41 @@ def _releasing_assistant_caches():
                 cache.release()
 
 
+def _check_prompt(model: torch.nn.Module, input_ids: torch.Tensor | None) -> None:
+    """Refuse prompts that would fail inside the model with an unclear message (or a device-side assert)."""
+    if input_ids is None:
+        return
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must hold integer token ids, got a tensor of {input_ids.dtype}")
+    if input_ids.shape[-1] == 0:
+        raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: every prompt needs at least one token")
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab_size = getattr(embeddings, "num_embeddings", None)
+    if vocab_size is not None:
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= vocab_size:
+            raise ValueError(
+                f"input_ids holds token id {low if low < 0 else high}, outside the model's vocabulary [0, {vocab_size})"
+            )
+
+
+def _generate_on_user_cache(model, cache: PagedCache, inputs, generation_config, input_ids, kwargs):
+    """Stock `generate` continuing from the caller's `PagedCache`. A call that fails on a cache that held nothing
+    leaves it empty again (its blocks back in the pool)."""
+    attach_to_model(model)
+    if not getattr(generation_config, "is_assistant", False):
+        _check_prompt(model, input_ids)
+    was_empty = not cache.is_released and cache.batch_size == 0
+    cache.start_from_prompt(input_ids, kwargs.get("attention_mask"))
+    try:
+        with attention_implementation(model, paged_attention_for(model, cache.cache_config)):
+            return _original_generate(model, inputs, generation_config, **kwargs)
+    except BaseException:
+        if was_empty and not cache.is_released:
+            cache.reset()
+        raise
+
+
 @functools.wraps(_original_generate)
 def _paged_generate(self, inputs=None, generation_config=None, **kwargs):
     if getattr(generation_config, "is_assistant", False):
@@ -231,10 +266,7 @@ def _generate(model, inputs, generation_config, kwargs: dict):
     source = _paged_request_source(model, generation_config, kwargs)
     if isinstance(user_cache, PagedCache) and source != "argument":
         # continue on the caller's cache (or, in assisted decoding, on the one the assistant's last call returned)
-        attach_to_model(model)
-        user_cache.start_from_prompt(input_ids, kwargs.get("attention_mask"))
-        with attention_implementation(model, paged_attention_for(model, user_cache.cache_config)):
-            return _original_generate(model, inputs, generation_config, **kwargs)
+        return _generate_on_user_cache(model, user_cache, inputs, generation_config, input_ids, kwargs)
     if source is None:
         return _original_generate(model, inputs, generation_config, **kwargs)
 
@@ -246,6 +278,8 @@ def _generate(model, inputs, generation_config, kwargs: dict):
     check_supported(model)
     config = _cache_config_of(model, generation_config, kwargs)
     implementation = paged_attention_for(model, config)
+    if not getattr(generation_config, "is_assistant", False):
+        _check_prompt(model, input_ids)
     kwargs.pop("cache_implementation", None)
     kwargs.pop("cache_config", None)
     request = _PagedRequest(model, config, input_ids, kwargs.get("attention_mask"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -124,10 +125,35 @@ def _default_budget(model: torch.nn.Module, config: PagedCacheConfig) -> tuple[i
     return DEFAULT_CPU_KV_BYTES, "the default CPU KV budget"
 
 
+def _device_memory(device: torch.device) -> int | None:
+    """Total memory of `device` in bytes (`None` where unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            return None
+    return None
+
+
+def _check_fits(model: torch.nn.Module, num_blocks: int, block_size: int, kv_shape: KVShape, source: str) -> None:
+    """Refuse an explicit pool size larger than the memory of the model's device."""
+    device = next(model.parameters()).device
+    total = _device_memory(device)
+    needed = num_blocks * block_size * kv_shape.bytes_per_token
+    if total is not None and needed > total:
+        raise ValueError(
+            f"{source} asks for {num_blocks} blocks x {block_size} tokens x {kv_shape.bytes_per_token} bytes = "
+            f"{needed / 2**30:.1f} GiB of KV, more than the {total / 2**30:.1f} GiB of memory of {device}"
+        )
+
+
 def _size_pool(model: torch.nn.Module, config: PagedCacheConfig) -> tuple[int, int, KVShape]:
     kv_shape = KVShape.from_model(model)
     block_size = config.resolved_block_size
     if config.num_blocks is not None:
+        _check_fits(model, config.num_blocks, block_size, kv_shape, f"num_blocks={config.num_blocks}")
         return config.num_blocks, block_size, kv_shape
     if config.max_memory is not None:
         budget, source = config.max_memory, f"max_memory={config.max_memory}"
@@ -135,7 +161,9 @@ def _size_pool(model: torch.nn.Module, config: PagedCacheConfig) -> tuple[int, i
         budget, source = _default_budget(model, config)
         num_blocks = _num_blocks_for_budget(kv_shape, block_size, budget, source)
         return min(num_blocks, DEFAULT_MAX_BLOCKS), block_size, kv_shape
-    return _num_blocks_for_budget(kv_shape, block_size, budget, source), block_size, kv_shape
+    num_blocks = _num_blocks_for_budget(kv_shape, block_size, budget, source)
+    _check_fits(model, num_blocks, block_size, kv_shape, source)
+    return num_blocks, block_size, kv_shape
 
 
 def _pool_matches(pool: BlockPool, config: PagedCacheConfig, num_blocks: int, block_size: int) -> bool:

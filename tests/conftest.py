@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import hf_paged
 from hf_paged.reference_models import load_smollm2, tiny_model
+
+# HF_PAGED_LONG_TESTS=1: the long profile of the randomized tests (more state-machine steps, more fuzz cases)
+LONG_TESTS = os.environ.get("HF_PAGED_LONG_TESTS") == "1"
 
 
 @pytest.fixture(autouse=True)

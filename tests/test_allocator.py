@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
-from hypothesis import settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from hf_paged import BlockAllocator, BlockCopy, InvariantError, PoolExhaustedError
 from hf_paged.accounting import naive_footprint, paged_footprint
 from hf_paged.prefix import chain, root_hash
+
+from .conftest import LONG_TESTS
 
 ROOT = root_hash(b"state machine")
 
@@ -259,51 +270,142 @@ def test_check_invariants_catches_a_leak():
 
 
 # ---------------------------------------------------------------------- property test: a state machine
+TOKENS = st.integers(0, 2)  # a tiny alphabet, so that prompts repeat and prefix lookups hit
+MAX_TABLES = 8  # rules that add a table wait while this many are live
+
+
 class AllocatorMachine(RuleBasedStateMachine):
-    """Random new/append/fork/crop/free and prefix-cache index/reuse, checked against a reference model of each
-    table's token ids: every cached block a table holds must carry exactly that table's tokens."""
+    """Random table operations on a small pool, checked after every step against a plain reference model.
 
-    def __init__(self):
-        super().__init__()
-        self.allocator = BlockAllocator(num_blocks=24, block_size=3)
+    The reference model is a list of token ids per table. The machine also plays the KV storage: `slots` holds
+    the token written into every physical slot, `append` performs the copy-on-write copies and then writes the new
+    tokens, and every check reads each table back through its block table. So a write into a shared block, a missed
+    copy, a wrong crop or a cached block reused while still indexed shows up as a table reading the wrong tokens.
+    `steps` counts the rules executed and `seen` what they ran into (all examples together).
+    """
+
+    steps = 0
+    seen = Counter()
+
+    @initialize(num_blocks=st.integers(3, 48), block_size=st.integers(1, 4))
+    def create(self, num_blocks, block_size):
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.size = block_size
+        self.slots = [None] * (num_blocks * block_size)  # the token in every physical slot
         self.tables = []  # live tables
-        self.tokens = {}  # table_id -> token ids (the reference contents)
+        self.tokens = {}  # table_id -> token ids (the reference model)
+        self.history = []  # token ids of freed tables: prompts that come back
 
+    def _count(self):
+        type(self).steps += 1
+
+    def _table(self, index):
+        return self.tables[index % len(self.tables)]
+
+    def _state(self):
+        allocator = self.allocator
+        refs = [allocator.ref_count(b) for b in range(allocator.num_blocks)]
+        tables = [(list(t.block_ids), t.num_tokens) for t in self.tables]
+        index = {b: allocator.block_hash(b) for b in range(allocator.num_blocks)}
+        return allocator.free_block_ids, allocator.evictable_block_ids, refs, tables, index
+
+    def _read(self, table):
+        """The tokens `table` reads through its block table."""
+        size = self.size
+        return [self.slots[table.block_ids[p // size] * size + p % size] for p in range(table.num_tokens)]
+
+    def _append(self, requests, insert=False):
+        """`append_all` of `(table, new tokens)`, then the storage's part: copies first, then the writes; `insert`
+        then indexes the tables' full blocks, as a cache with prefix caching does after every forward."""
+        allocator = self.allocator
+        free_before, state = allocator.num_free, self._state()
+        needed = allocator.num_blocks_needed_for([(t, len(new)) for t, new in requests])
+        starts = [t.num_tokens for t, _ in requests]
+        try:
+            copies = allocator.append_all([(t, len(new)) for t, new in requests])
+        except PoolExhaustedError as error:
+            self.seen["pool exhausted"] += 1
+            assert needed > free_before and (error.num_needed, error.num_free) == (needed, free_before)
+            assert self._state() == state  # nothing changed
+            return
+        assert free_before - allocator.num_free == needed
+        self.seen["copy-on-write"] += len(copies)
+        for copy in copies:
+            assert allocator.ref_count(copy.dst) == 1
+            self.slots[copy.dst * self.size : (copy.dst + 1) * self.size] = self.slots[
+                copy.src * self.size : (copy.src + 1) * self.size
+            ]
+        for (table, new), start in zip(requests, starts):
+            for offset, token in enumerate(new):
+                block_id = table.block_ids[(start + offset) // self.size]
+                assert allocator.ref_count(block_id) == 1, f"write into block {block_id} shared by several tables"
+                assert allocator.block_hash(block_id) is None, f"write into cached block {block_id}"
+                self.slots[block_id * self.size + (start + offset) % self.size] = token
+            self.tokens[table.table_id] += new
+        for table, _ in requests if insert else ():
+            self._insert_prefix(table)
+
+    @precondition(lambda self: len(self.tables) < MAX_TABLES)
     @rule()
     def new_table(self):
+        self._count()
         table = self.allocator.new_table()
         self.tables.append(table)
         self.tokens[table.table_id] = []
 
     @precondition(lambda self: self.tables)
-    @rule(index=st.integers(0, 1000), new=st.lists(st.integers(0, 2), max_size=10))
-    def append(self, index, new):
-        table = self.tables[index % len(self.tables)]
-        free_before = self.allocator.num_free
-        needed = self.allocator.num_blocks_needed(table, len(new))
-        try:
-            copies = self.allocator.append(table, len(new))
-        except PoolExhaustedError:
-            assert needed > free_before and self.allocator.num_free == free_before
-            return
-        assert free_before - self.allocator.num_free == needed
-        assert len(copies) <= 1
-        self.tokens[table.table_id] += new
+    @rule(index=st.integers(0, 1000), new=st.lists(TOKENS, max_size=8), insert=st.booleans())
+    def append(self, index, new, insert):
+        self._count()
+        self._append([(self._table(index), new)], insert)
 
     @precondition(lambda self: self.tables)
+    @rule(
+        indices=st.sets(st.integers(0, 1000), min_size=1, max_size=6),
+        new=st.lists(TOKENS, min_size=1, max_size=3),
+        insert=st.booleans(),
+    )
+    def write_step(self, indices, new, insert):
+        """Several tables write at once (a decode step of forked rows: copy-on-write of their shared last block)."""
+        self._count()
+        tables = list({id(t): t for t in (self._table(i) for i in sorted(indices))}.values())
+        self._append([(table, [(token + i) % 3 for token in new]) for i, table in enumerate(tables)], insert)
+
+    @precondition(lambda self: 0 < len(self.tables) < MAX_TABLES)
     @rule(index=st.integers(0, 1000))
     def fork(self, index):
-        parent = self.tables[index % len(self.tables)]
+        self._count()
+        parent = self._table(index)
         used = self.allocator.num_used
         child = self.allocator.fork(parent)
-        assert self.allocator.num_used == used
+        assert self.allocator.num_used == used and child.block_ids == parent.block_ids
         self.tables.append(child)
         self.tokens[child.table_id] = list(self.tokens[parent.table_id])
+
+    @precondition(lambda self: 0 < len(self.tables) < MAX_TABLES)
+    @rule(
+        index=st.integers(0, 1000),
+        width=st.integers(1, 3),
+        new=st.lists(TOKENS, min_size=1, max_size=2),
+        insert=st.booleans(),
+    )
+    def beam_step(self, index, width, new, insert):
+        """Fork a table `width` times, then every copy writes different tokens: its shared last block is copied
+        on write (min(writers, sharers - 1) copies; the last writer writes in place)."""
+        self._count()
+        parent = self._table(index)
+        children = [self.allocator.fork(parent) for _ in range(min(width, MAX_TABLES - len(self.tables)))]
+        for child in children:
+            self.tables.append(child)
+            self.tokens[child.table_id] = list(self.tokens[parent.table_id])
+        family = [parent, *children]
+        self._append([(table, [(token + i) % 3 for token in new]) for i, table in enumerate(family)], insert)
 
     @precondition(lambda self: self.tables)
     @rule(index=st.integers(0, 1000), keep=st.integers(0, 30))
     def crop(self, index, keep):
-        table = self.tables[index % len(self.tables)]
+        self._count()
+        table = self._table(index)
         keep = min(keep, table.num_tokens)
         self.allocator.crop(table, keep)
         del self.tokens[table.table_id][keep:]
@@ -311,48 +413,161 @@ class AllocatorMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.tables)
     @rule(index=st.integers(0, 1000))
     def free(self, index):
+        """Blocks reaching refcount 0 join the free queue in table order, cached ones the LRU list tail first."""
+        self._count()
+        allocator = self.allocator
         table = self.tables.pop(index % len(self.tables))
-        self.allocator.free(table)
-        del self.tokens[table.table_id]
+        evictable = allocator.evictable_block_ids
+        plain = allocator.free_block_ids[: allocator.num_free - len(evictable)]
+        released = list(table.block_ids)
+        allocator.free(table)
+        self.history = [self.tokens.pop(table.table_id)] + self.history[:7]
+        gone = [b for b in released if allocator.ref_count(b) == 0]
+        cached = [b for b in reversed(gone) if allocator.block_hash(b) is not None]
+        assert allocator.evictable_block_ids == evictable + cached
+        assert allocator.free_block_ids == plain + [b for b in gone if b not in cached] + evictable + cached
 
     @precondition(lambda self: self.tables)
     @rule(index=st.integers(0, 1000))
-    def index_full_blocks(self, index):
-        table = self.tables[index % len(self.tables)]
-        size = self.allocator.block_size
-        for position, (block_hash, block_tokens) in enumerate(chain(ROOT, self.tokens[table.table_id], size)):
+    def insert_prefix(self, index):
+        """Index a table's full blocks by content (a block already cached elsewhere is replaced by that one)."""
+        self._count()
+        self._insert_prefix(self._table(index))
+
+    def _insert_prefix(self, table):
+        full_blocks = chain(ROOT, self.tokens[table.table_id], self.size)
+        for position, (block_hash, block_tokens) in enumerate(full_blocks):
             holder = self.allocator.cache_block(table.block_ids[position], block_hash, block_tokens)
             if holder != table.block_ids[position]:
+                self.seen["deduplicated block"] += 1
                 self.allocator.replace_block(table, position, holder)
+        assert self.allocator.lookup_prefix(full_blocks) == table.block_ids[: len(full_blocks)]
 
-    @rule(prompt=st.lists(st.integers(0, 2), max_size=12))
-    def reuse_cached_prefix(self, prompt):
-        found = self.allocator.lookup_prefix(chain(ROOT, prompt, self.allocator.block_size))
-        table = self.allocator.new_table()
-        self.allocator.share_cached(table, found)
+    def _prompt(self, source, keep, suffix):
+        """The first `keep` tokens of a live or freed table (chosen by `source`), then `suffix`."""
+        known = [self.tokens[t.table_id] for t in self.tables] + self.history
+        return (known[source % len(known)][:keep] if known else []) + suffix
+
+    @precondition(lambda self: len(self.tables) < MAX_TABLES)
+    @rule(source=st.integers(0, 1000), keep=st.integers(0, 12), suffix=st.lists(TOKENS, max_size=4))
+    def reuse_prefix(self, source, keep, suffix):
+        """A new table starting with the longest cached prefix of a prompt (often one seen before)."""
+        self._count()
+        allocator = self.allocator
+        prompt = self._prompt(source, keep, suffix)
+        full_blocks = chain(ROOT, prompt, self.size)
+        found = allocator.lookup_prefix(full_blocks)
+        if len(found) < len(full_blocks):  # the longest: the next block is not cached
+            assert allocator.lookup_prefix(full_blocks[: len(found) + 1]) == found
+        self.seen["prefix hit"] += bool(found)
+        table = allocator.new_table()
+        allocator.share_cached(table, found)
         self.tables.append(table)
-        self.tokens[table.table_id] = prompt[: len(found) * self.allocator.block_size]
+        self.tokens[table.table_id] = prompt[: len(found) * self.size]
+
+    @precondition(lambda self: len(self.tables) < MAX_TABLES)
+    @rule(source=st.integers(0, 1000), keep=st.integers(1, 12), insert=st.booleans())
+    def recompute(self, source, keep, insert):
+        """A new table appending the tokens of one seen before (its full blocks deduplicate on insert_prefix)."""
+        self._count()
+        table = self.allocator.new_table()
+        self.tables.append(table)
+        self.tokens[table.table_id] = []
+        self._append([(table, self._prompt(source, keep, []))], insert)
+
+    @precondition(lambda self: len(self.tables) < MAX_TABLES and self.allocator.evictable_block_ids)
+    @rule(extra=st.integers(1, 4), token=TOKENS)
+    def evict(self, extra, token):
+        """A new table takes every plain free block and `extra` more: the least recently used cached blocks go."""
+        self._count()
+        allocator = self.allocator
+        evictable = allocator.evictable_block_ids
+        plain = allocator.num_free - len(evictable)
+        take = min(plain + extra, allocator.num_free)
+        if take == 0:
+            return
+        expected = allocator.free_block_ids[:take]
+        victims = [(allocator.block_hash(b), tuple(self._read_block(b))) for b in expected[plain:]]
+        evictions = allocator.stats().evictions
+        table = allocator.new_table()
+        self.tables.append(table)
+        self.tokens[table.table_id] = []
+        self._append([(table, [token] * (take * self.size))])
+        assert table.block_ids == expected
+        assert allocator.stats().evictions == evictions + len(victims)
+        for victim in victims:  # an evicted block is no longer found under its old content
+            assert allocator.lookup_prefix([victim]) == []
+
+    def _read_block(self, block_id):
+        return self.slots[block_id * self.size : (block_id + 1) * self.size]
+
+    @precondition(lambda self: self.allocator.stats().num_cached)
+    @rule(dice=st.integers(0, 9))
+    def clear_prefix_cache(self, dice):
+        self._count()
+        if dice == 0:  # rarely: it empties the prefix index the other rules feed on
+            self.allocator.clear_prefix_cache()
+            assert self.allocator.stats().num_cached == 0 and self.allocator.evictable_block_ids == []
 
     @invariant()
     def consistent(self):
-        self.allocator.check_invariants()
-        size = self.allocator.block_size
-        for table in self.tables:
-            tokens = self.tokens[table.table_id]
-            assert table.num_tokens == len(tokens)
-            for position, block_id in enumerate(table.block_ids[: len(tokens) // size]):
-                cached = self.allocator._block_tokens.get(block_id)
-                assert cached is None or list(cached) == tokens[position * size : (position + 1) * size]
-        stats = self.allocator.stats()
-        assert stats.num_free + stats.num_used == stats.num_blocks
+        allocator = self.allocator
+        allocator.check_invariants()
+        for table in self.tables:  # every table reads exactly its reference tokens through its block table
+            assert self._read(table) == self.tokens[table.table_id], table
+        for block_id in range(allocator.num_blocks):  # a cached block holds the tokens it is indexed under
+            cached = allocator._block_tokens.get(block_id)
+            assert cached is None or tuple(self._read_block(block_id)) == cached, block_id
+        held = {b for table in self.tables for b in table.block_ids}
+        stats = allocator.stats()
+        assert stats.num_used == len(held) and stats.num_free + stats.num_used == stats.num_blocks
+        assert stats.num_tables == len(self.tables)
         assert 0 <= stats.waste_fraction < 1
 
     def teardown(self):
+        self.seen["eviction"] += self.allocator.stats().evictions
         for table in self.tables:
             self.allocator.free(table)
         assert self.allocator.num_free == self.allocator.num_blocks
         self.allocator.check_invariants()
 
 
-TestAllocatorMachine = AllocatorMachine.TestCase
-TestAllocatorMachine.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)
+MACHINE_STEPS_TARGET = 10_000
+MACHINE_SETTINGS = (
+    settings(max_examples=2_000, stateful_step_count=150, deadline=None, suppress_health_check=list(HealthCheck))
+    if LONG_TESTS
+    else settings(
+        max_examples=400,
+        stateful_step_count=80,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+)
+
+
+@pytest.mark.slow
+def test_allocator_state_machine_runs_the_target_number_of_steps():
+    AllocatorMachine.steps, AllocatorMachine.seen = 0, Counter()
+    run_state_machine_as_test(AllocatorMachine, settings=MACHINE_SETTINGS)
+    print(f"allocator state machine: {AllocatorMachine.steps} steps, {dict(AllocatorMachine.seen)}")
+    assert all(
+        AllocatorMachine.seen[what] > 0
+        for what in ("pool exhausted", "copy-on-write", "deduplicated block", "prefix hit", "eviction")
+    )
+    assert AllocatorMachine.steps >= (10 * MACHINE_STEPS_TARGET if LONG_TESTS else MACHINE_STEPS_TARGET)
+
+
+class NoCopyOnWriteMachine(AllocatorMachine):
+    @initialize(num_blocks=st.integers(3, 48), block_size=st.integers(1, 4))
+    def create(self, num_blocks, block_size):
+        super().create(num_blocks, block_size)
+        self.allocator.copy_on_write = False
+
+
+def test_negative_control_state_machine_catches_writes_into_shared_blocks():
+    """Without copy-on-write, forked tables write into each other's blocks: the machine must notice."""
+    quick = settings(MACHINE_SETTINGS, max_examples=200, phases=[Phase.generate], report_multiple_bugs=False)
+    with pytest.raises(AssertionError, match="shared by several tables|InvariantError|invariant"):
+        run_state_machine_as_test(NoCopyOnWriteMachine, settings=quick)

@@ -142,8 +142,7 @@ def test_release_returns_blocks_and_closes_the_cache(model):
     assert get_pool(model).stats().num_used == 0 and cache.is_released
     with pytest.raises(RuntimeError, match="was released"):
         prefill(model, cache, torch.randint(3, 128, (2, 5)))
-    with pytest.raises(RuntimeError, match="was released"):
-        cache.release()
+    cache.release()  # a no-op (more uses after release in test_bad_inputs.py)
 
 
 def test_dropped_cache_returns_its_blocks(model):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from transformers import (
@@ -17,7 +15,7 @@ from transformers.generation.utils import GenerationMixin
 from transformers.masking_utils import AttentionMaskInterface
 
 import hf_paged
-from hf_paged import PagedCache, PoolExhaustedError, get_pool
+from hf_paged import PagedCache, get_pool
 from hf_paged.reference_models import tiny_model
 
 from .conftest import left_padded_batch
@@ -258,31 +256,6 @@ def test_attention_implementation_is_restored_even_when_generate_fails(llama):
     assert get_pool(llama).stats().num_used == 0
 
 
-def test_concurrent_threads_match_sequential_runs(llama):
-    prompts = [left_padded_batch([3 + i, 7, 5], seed=i) for i in range(4)]
-
-    def run(i):
-        ids, mask = prompts[i]
-        return llama.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=8,
-            pad_token_id=0,
-            cache_implementation="paged",
-            cache_config={"block_size": 4},
-        )
-
-    expected = [run(i) for i in range(4)]
-    results = [None] * 4
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run(i))) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert all(torch.equal(a, b) for a, b in zip(expected, results))
-    assert llama.config._attn_implementation == "sdpa" and get_pool(llama).stats().num_used == 0
-
-
 # ---------------------------------------------------------------------- negative control
 def test_negative_control_without_mask_registration_padded_batch_goes_wrong(llama, monkeypatch):
     """Proves the equivalence test can fail: with no mask function registered for "hf_paged", transformers builds
@@ -299,101 +272,6 @@ def test_negative_control_without_mask_registration_padded_batch_goes_wrong(llam
     release(broken)
 
 
-# ---------------------------------------------------------------------- bad input
-@pytest.mark.parametrize(
-    "options, error, message",
-    [
-        ({"block_size": 0}, ValueError, "block_size must be a positive int \\(>= 1\\), got 0"),
-        ({"block_size": -4}, ValueError, "block_size must be a positive int \\(>= 1\\), got -4"),
-        ({"num_blocks": 0}, ValueError, "num_blocks must be a positive int \\(>= 1\\), got 0"),
-        ({"max_memory": "lots"}, ValueError, "max_memory='lots' is not a memory size"),
-        ({"max_memory": "10B"}, ValueError, "is smaller than one KV block"),
-        ({"num_blocks": 4, "max_memory": "1GiB"}, ValueError, "either num_blocks \\(4\\) or max_memory"),
-        ({"blocksize": 16}, ValueError, "unknown cache_config key\\(s\\) \\['blocksize'\\]"),
-    ],
-)
-def test_bad_cache_config_is_refused_before_anything_is_allocated(llama, options, error, message):
-    used = get_pool(llama).stats().num_used
-    with pytest.raises(error, match=message):
-        llama.generate(
-            input_ids=torch.randint(3, 128, (1, 4)),
-            max_new_tokens=2,
-            pad_token_id=0,
-            cache_implementation="paged",
-            cache_config=options,
-        )
-    assert get_pool(llama).stats().num_used == used
-    assert llama.config._attn_implementation == "sdpa"
-
-
-def test_pool_too_small_raises_pool_exhausted_and_leaves_pool_unchanged():
-    model = tiny_model("llama")
-    input_ids, attention_mask = left_padded_batch(LENGTHS)
-    with pytest.raises(PoolExhaustedError, match="needs 11 more block\\(s\\) but only 6 are free"):
-        model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            max_new_tokens=4,
-            pad_token_id=0,
-            cache_implementation="paged",
-            cache_config={"block_size": 4, "num_blocks": 6},
-        )
-    pool = get_pool(model)
-    assert pool.stats().num_used == 0 and pool.allocator.free_block_ids == list(range(6))
-    pool.check_invariants()
-
-
-def test_pool_running_out_mid_decode_returns_every_block():
-    model = tiny_model("llama")
-    input_ids, attention_mask = left_padded_batch(LENGTHS)
-    with pytest.raises(PoolExhaustedError):
-        model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            max_new_tokens=30,
-            pad_token_id=0,
-            cache_implementation="paged",
-            cache_config={"block_size": 4, "num_blocks": 12},
-        )
-    assert get_pool(model).stats().num_used == 0
-    assert get_pool(model).stats().peak_used == 12
-
-
-def test_cache_of_one_model_used_with_another_is_refused(llama):
-    other = tiny_model("llama", seed=1)
-    cache = PagedCache(llama)
-    with pytest.raises(ValueError, match="built for a LlamaForCausalLM .* cannot be used with a LlamaForCausalLM"):
-        other.generate(input_ids=torch.randint(3, 128, (1, 4)), max_new_tokens=2, pad_token_id=0, past_key_values=cache)
-    cache.release()
-
-
-def test_mixing_past_key_values_and_cache_implementation_is_refused(llama):
-    cache = PagedCache(llama)
-    with pytest.raises(ValueError, match="Passing both `cache_implementation='paged'` and `past_key_values`"):
-        llama.generate(
-            input_ids=torch.randint(3, 128, (1, 4)),
-            max_new_tokens=2,
-            pad_token_id=0,
-            past_key_values=cache,
-            cache_implementation="paged",
-        )
-    cache.release()
-
-
-def test_empty_prompt_row_is_refused(llama):
-    input_ids, attention_mask = left_padded_batch([4, 2])
-    attention_mask[1] = 0
-    with pytest.raises(ValueError, match="row 1 has no real token"):
-        llama.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            max_new_tokens=2,
-            pad_token_id=0,
-            cache_implementation="paged",
-        )
-    assert get_pool(llama).stats().num_used == 0
-
-
 # ---------------------------------------------------------------------- enable / disable
 def test_disable_restores_stock_generate_and_enable_is_idempotent(llama):
     hf_paged.disable()
@@ -408,30 +286,3 @@ def test_disable_restores_stock_generate_and_enable_is_idempotent(llama):
     input_ids = torch.randint(3, 128, (1, 5))
     out = llama.generate(input_ids=input_ids, max_new_tokens=3, pad_token_id=0, cache_implementation="paged")
     assert out.shape == (1, 8)
-
-
-def test_keyboard_interrupt_mid_decode_returns_every_block_and_the_next_call_works(llama):
-    input_ids, attention_mask = left_padded_batch(LENGTHS, seed=23)
-    calls = []
-
-    def interrupt_on_third_forward(module, args, kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-
-    handle = llama.register_forward_pre_hook(interrupt_on_third_forward, with_kwargs=True)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            llama.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                max_new_tokens=8,
-                pad_token_id=0,
-                cache_implementation="paged",
-            )
-    finally:
-        handle.remove()
-    assert get_pool(llama).stats().num_used == 0 and llama.config._attn_implementation == "sdpa"
-    reference, paged = generate_pair(llama, input_ids=input_ids, attention_mask=attention_mask)
-    assert torch.equal(reference.sequences, paged.sequences)
-    release(paged)
