@@ -1,0 +1,213 @@
+"""`hf-paged serve`: the real server in a subprocess on a loopback port, spoken to with the official `openai`
+client (and raw HTTP for what the client cannot send)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from hf_paged.reference_models import smollm2_path
+
+API_KEY = "test-key"
+MODEL = "smollm2"
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    command = [
+        sys.executable, "-m", "hf_paged.serve", "serve", str(smollm2_path()), "--served-model-name", MODEL,
+        "--port", str(port), "--num-blocks", "256", "--block-size", "16", "--api-key", API_KEY,
+        "--log-level", "warning",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"the server exited: {process.stdout.read()}")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    else:
+        process.kill()
+        pytest.fail("the server did not come up within 180 s")
+    yield base
+    process.terminate()
+    process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+
+
+def reference(smollm2, prompt_ids: list[int], max_new_tokens: int) -> str:
+    model, tokenizer = smollm2
+    output = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(output[0, len(prompt_ids) :], skip_special_tokens=True)
+
+
+def chat_ids(tokenizer, content: str) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def metric(server: str, name: str) -> float:
+    for line in httpx.get(f"{server}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+def wait_for_idle(server: str, timeout: float = 30) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if metric(server, "hf_paged_kv_blocks_used") == 0 and metric(server, "hf_paged_requests_running") == 0:
+            return
+        time.sleep(0.2)
+    raise AssertionError("blocks were not returned to the pool")
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+    text = httpx.get(f"{server}/metrics").text
+    for name in ("kv_blocks_used", "kv_blocks_free", "kv_usage_ratio", "kv_waste_ratio", "prefix_hit_ratio",
+                 "preemptions_total", "requests_running", "requests_waiting", "generation_tokens_total"):  # fmt: skip
+        assert f"\nhf_paged_{name} " in text
+    assert metric(server, "hf_paged_kv_blocks_total") == 256
+
+
+def test_completion_is_greedy_generate(smollm2, client):
+    prompt = "The three primary colours are"
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    prompt_ids = smollm2[1](prompt, add_special_tokens=False)["input_ids"]
+    assert reply.choices[0].text == reference(smollm2, prompt_ids, 12)
+    assert reply.usage.prompt_tokens == len(prompt_ids) and reply.usage.completion_tokens <= 12
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+
+
+def test_chat_and_streaming_chat_are_greedy_generate(smollm2, client):
+    content = "What is a page table? Answer in one sentence."
+    messages = [{"role": "user", "content": content}]
+    expected = reference(smollm2, chat_ids(smollm2[1], content), 20)
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    assert reply.choices[0].message.content == expected and reply.choices[0].message.role == "assistant"
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0, stream=True)
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length") and len(chunks) > 3
+
+
+def test_n_choices_with_a_seed_are_reproducible(client):
+    options = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 10, "temperature": 0.9, "n": 2, "seed": 7}
+    first = client.completions.create(**options)
+    second = client.completions.create(**options)
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+
+
+def test_stop_strings_cut_the_text(smollm2, client):
+    prompt = "Count: one, two, three,"
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0).choices[0].text
+    stop = full[4:6]
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stop=[stop])
+    assert reply.choices[0].text == full[: full.index(stop)] and reply.choices[0].finish_reason == "stop"
+
+
+def test_32_concurrent_streaming_clients_share_the_batch(server, client):
+    results, errors = {}, []
+
+    def ask(index: int):
+        try:
+            stream = client.completions.create(
+                model=MODEL, prompt=f"Fact number {index}:", max_tokens=8, temperature=0, stream=True
+            )
+            results[index] = "".join(chunk.choices[0].text for chunk in stream)
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(32)]
+    for thread in threads:
+        thread.start()
+    peak = 0.0
+    while any(t.is_alive() for t in threads):
+        peak = max(peak, metric(server, "hf_paged_requests_running"))
+        time.sleep(0.05)
+    assert not errors and len(results) == 32
+    assert peak > 1  # requests were decoded together
+    wait_for_idle(server)
+
+
+def test_a_client_disconnect_aborts_its_request(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 500, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=headers, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                break  # leave after the first chunk
+    wait_for_idle(server)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        ("{not json", 400, "not valid JSON"),
+        ({"model": "gpt-4", "prompt": "hi"}, 404, "model 'gpt-4' does not exist"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "temperature": 3}, 400, "temperature"),
+        ({"model": MODEL, "prompt": list(range(10, 8300))}, 400, "context window of 8192 tokens"),
+        ({"model": MODEL, "prompt": list(range(10, 5000)), "max_tokens": 1}, 400, "pool has 256"),
+        ({"model": MODEL}, 400, "prompt"),
+        ({"model": MODEL, "prompt": ""}, 400, "the prompt is empty"),
+    ],
+    ids=[
+        "malformed-json",
+        "unknown-model",
+        "negative-max-tokens",
+        "bad-temperature",
+        "over-context",
+        "over-pool",
+        "missing-prompt",
+        "empty-prompt",
+    ],  # fmt: skip
+)
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, body, status, message):
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    content = body if isinstance(body, str) else None
+    response = httpx.post(
+        f"{server}/v1/completions", content=content, json=None if content else body, headers=headers, timeout=60
+    )
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert message in error["message"] and error["type"]
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0).choices
+    wait_for_idle(server)
+
+
+def test_a_wrong_api_key_is_refused(server):
+    bad = openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    assert httpx.get(f"{server}/v1/models").status_code == 401
