@@ -78,6 +78,8 @@ class ServeResult:
     pool_stats: hf_paged.AllocatorStats
     cache_stats: hf_paged.CacheStats | None
     seconds: float
+    engine_answers: list[str] | None = None
+    engine_stats: hf_paged.EngineStats | None = None
 
 
 @dataclass
@@ -249,14 +251,21 @@ def merge_and_save(peft_model, tokenizer, output_dir: Path):
 
 
 def serve(model_dir: Path, instructions: list[str], max_new_tokens: int, block_size: int = 16) -> ServeResult:
-    """Reload the saved model and answer `instructions` with paged batch generation."""
+    """Reload the saved model and answer `instructions` twice: as one paged `generate` batch, and as requests of the
+    continuous-batching `hf_paged.Engine` (what `hf-paged serve` runs behind its HTTP API)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     start = time.perf_counter()
     answers = paged_answers(model, tokenizer, instructions, max_new_tokens, cache_config={"block_size": block_size})
     seconds = time.perf_counter() - start
     pool = hf_paged.get_pool(model)
-    return ServeResult(answers, pool.stats(), pool.last_cache_stats, seconds)
+    served = ServeResult(answers, pool.stats(), pool.last_cache_stats, seconds)
+    with hf_paged.Engine(model, tokenizer, block_size=block_size) as engine:
+        prompts = [chat_prompt(tokenizer, instruction) for instruction in instructions]
+        outputs = engine.generate(prompts, max_new_tokens=max_new_tokens, do_sample=False)
+        served.engine_answers = [output.text for output in outputs]
+        served.engine_stats = engine.last_stats
+    return served
 
 
 # ---------------------------------------------------------------------- command line
@@ -346,6 +355,12 @@ def main(argv: list[str] | None = None) -> Report:
     served = serve(args.output_dir, instructions, args.max_new_tokens)
     print_answers("After fine-tuning, reloaded and served (paged generation)", served.answers, held_out)
     print(describe_pool(served))
+    engine = served.engine_stats
+    print(
+        f"Engine: the same {engine.num_requests} prompts as continuous-batching requests, "
+        f"{'the same' if served.engine_answers == served.answers else 'DIFFERENT'} answers, "
+        f"{engine.tokens_per_s:.0f} tokens/s; serve it over HTTP with: hf-paged serve {args.output_dir}"
+    )
     seconds["serve"] = time.perf_counter() - clock
 
     print("\nseconds: " + ", ".join(f"{stage} {value:.1f}" for stage, value in seconds.items()))

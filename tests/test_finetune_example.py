@@ -119,6 +119,12 @@ def test_reloaded_model_generates_the_same_on_paged_and_dynamic_cache(script, re
     assert hf_paged.get_pool(model).stats().num_used == 0
 
 
+def test_the_engine_serves_the_same_answers(report):
+    """The continuous-batching Engine (what `hf-paged serve` runs) answers exactly like the paged batch."""
+    assert report.served.engine_answers == report.served.answers
+    assert report.served.engine_stats.num_requests == len(report.served.answers)
+
+
 def test_the_saved_weights_hold_the_fine_tuning(script, report, reloaded):
     """Negative control for the comparison above: the base model answers differently, so equal outputs are
     evidence, not an accident of the prompts."""
