@@ -26,3 +26,13 @@ def test_quickstart_python_blocks_run_in_order(smollm2, capsys):
     assert "Paris" in printed
     assert re.search(r"^\* \[\d+\] shared by A B \(refcount 2\)$", printed, flags=re.M)  # the template's first block
     assert hf_paged.get_pool(namespace["model"]).stats().num_used == 0
+
+
+@pytest.mark.slow
+def test_engine_page_example_runs(smollm2, capsys):
+    namespace: dict = {}
+    for block in python_blocks(QUICKSTART.parent / "engine.md"):
+        exec(compile(block, "docs/engine.md", "exec"), namespace)
+    printed = capsys.readouterr().out
+    assert printed.count("length") + printed.count("stop") >= 3 and "EngineStats(" in printed
+    assert hf_paged.get_pool(namespace["model"]).stats().num_used == 0
