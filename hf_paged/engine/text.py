@@ -35,10 +35,9 @@ class TextTracker:
     def update(self, token_ids: list[int]) -> None:
         if self.stopped:
             return
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=None)
-        if cut is not None:
-            self.visible, self.stopped = text[:cut], True
+        text = self._decode_until_stop(token_ids)
+        if self.stopped:
+            self.visible = text
             return
         if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for its next token
             text = text.rstrip("\ufffd")
@@ -48,9 +47,14 @@ class TextTracker:
 
     def finish(self, token_ids: list[int]) -> None:
         """The request ended: show everything (up to a stop string)."""
-        if self.stopped:
-            return
+        if not self.stopped:
+            self.visible = self._decode_until_stop(token_ids)
+
+    def _decode_until_stop(self, token_ids: list[int]) -> str:
+        """The text of `token_ids`, cut before the first stop string (which sets `stopped`)."""
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=None)
-        self.visible = text if cut is None else text[:cut]
-        self.stopped = cut is not None
+        if cut is None:
+            return text
+        self.stopped = True
+        return text[:cut]
