@@ -28,6 +28,8 @@ def tokens_per_block(tables, block_size: int) -> dict[int, int]:
     held: dict[int, int] = {}
     for table in tables:
         for index, block_id in enumerate(table.block_ids):
+            if block_id is None:
+                continue
             tokens = min(block_size, table.num_tokens - index * block_size)
             held[block_id] = max(held.get(block_id, 0), tokens)
     return held
@@ -37,18 +39,35 @@ def tokens_per_block(tables, block_size: int) -> dict[int, int]:
 class BlockTable:
     """Logical → physical block mapping of one sequence.
 
-    `block_ids[i]` is the physical block holding tokens `[i * block_size, (i + 1) * block_size)` of the sequence.
-    Tables are created and changed only through their `BlockAllocator`.
+    `block_ids[i]` is the physical block holding tokens `[i * block_size, (i + 1) * block_size)` of the sequence,
+    or `None` once `BlockAllocator.release_leading` gave that block back (tokens no sliding-window layer attends to
+    again; released entries always form a leading run). Tables are created and changed only through their
+    `BlockAllocator`.
 
     Attributes:
-        block_ids (`list[int]`): physical block ids, in logical order.
+        block_ids (`list[int | None]`): physical block ids, in logical order (`None`: released).
         num_tokens (`int`): tokens recorded in the table.
     """
 
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int | None] = field(default_factory=list)
     num_tokens: int = 0
     table_id: int = -1
     is_freed: bool = False
+
+    @property
+    def num_released(self) -> int:
+        """Leading blocks given back by `BlockAllocator.release_leading` (their entries are `None`)."""
+        count = 0
+        for block_id in self.block_ids:
+            if block_id is not None:
+                break
+            count += 1
+        return count
+
+    @property
+    def live_block_ids(self) -> list[int]:
+        """The blocks the table still holds, in logical order."""
+        return [block_id for block_id in self.block_ids if block_id is not None]
 
     def __repr__(self) -> str:
         return f"BlockTable(id={self.table_id}, block_ids={self.block_ids}, num_tokens={self.num_tokens})"
@@ -274,27 +293,77 @@ class BlockAllocator:
             child = self.new_table()
             child.block_ids = list(table.block_ids)
             child.num_tokens = table.num_tokens
-            for block_id in child.block_ids:
+            for block_id in child.live_block_ids:
                 self._ref_counts[block_id] += 1
             return child
 
     def crop(self, table: BlockTable, num_tokens: int) -> None:
-        """Keep only the first `num_tokens` tokens of `table`; blocks no longer needed are released."""
+        """Keep only the first `num_tokens` tokens of `table`; blocks no longer needed are released.
+
+        Raises:
+            ValueError: `num_tokens` is out of range, or would end the table inside a released block.
+        """
         with self.lock:
             self._check_live(table)
             if not 0 <= num_tokens <= table.num_tokens:
                 raise ValueError(f"cannot crop a table of {table.num_tokens} tokens to {num_tokens} tokens")
             keep = _num_blocks_for(num_tokens, self.block_size)
+            if keep and table.block_ids[keep - 1] is None:
+                raise ValueError(
+                    f"cannot crop {table!r} to {num_tokens} tokens: its first {table.num_released * self.block_size} "
+                    "tokens were released (release_leading), so it cannot end before token "
+                    f"{table.num_released * self.block_size + 1}"
+                )
             dropped = table.block_ids[keep:]
             del table.block_ids[keep:]
             table.num_tokens = num_tokens
-            self._release_blocks(dropped)
+            self._release_blocks([block_id for block_id in dropped if block_id is not None])
+
+    def release_leading(self, table: BlockTable, num_dead_tokens: int) -> int:
+        """Give back the blocks holding only the first `num_dead_tokens` tokens of `table` (tokens that will never
+        be read again, e.g. behind every layer's sliding window): each block `b` with
+        `(b + 1) * block_size <= num_dead_tokens` loses this table's reference and its entry becomes `None`.
+
+        The table keeps counting those tokens (`num_tokens` and positions do not change). A released block that no
+        other table holds joins the free queue, or, when it is in the prefix index, the evictable list. Entries
+        already released are skipped.
+
+        Returns:
+            `int`: blocks released by this call.
+
+        Example:
+
+        ```python
+        >>> from hf_paged import BlockAllocator
+        >>> allocator = BlockAllocator(num_blocks=8, block_size=4)
+        >>> table = allocator.new_table()
+        >>> _ = allocator.append(table, 10)
+        >>> allocator.release_leading(table, 9), table.block_ids, allocator.free_block_ids
+        (2, [None, None, 2], [3, 4, 5, 6, 7, 0, 1])
+        >>> allocator.free(table)
+
+        ```
+        """
+        with self.lock:
+            self._check_live(table)
+            if isinstance(num_dead_tokens, bool) or not isinstance(num_dead_tokens, int):
+                raise TypeError(f"num_dead_tokens must be an int, got {num_dead_tokens!r}")
+            if not 0 <= num_dead_tokens <= table.num_tokens:
+                raise ValueError(
+                    f"num_dead_tokens must be in [0, {table.num_tokens}] (the table's tokens), got {num_dead_tokens}"
+                )
+            released = []
+            for index in range(table.num_released, num_dead_tokens // self.block_size):
+                released.append(table.block_ids[index])
+                table.block_ids[index] = None
+            self._release_blocks(released)
+            return len(released)
 
     def free(self, table: BlockTable) -> None:
         """Release every block of `table` (blocks whose refcount reaches 0 join the back of the free queue)."""
         with self.lock:
             self._check_live(table)
-            self._release_blocks(table.block_ids)
+            self._release_blocks(table.live_block_ids)
             table.block_ids = []
             table.num_tokens = 0
             table.is_freed = True
@@ -364,6 +433,8 @@ class BlockAllocator:
             old = table.block_ids[index]
             if old == block_id:
                 return
+            if old is None:
+                raise ValueError(f"block {index} of {table!r} was released and cannot be replaced")
             if block_id not in self._block_hash or self._fill[old] != self.block_size:
                 raise ValueError(f"block {old} can only be replaced by a cached block holding the same full content")
             self._acquire_cached(block_id)
@@ -419,8 +490,9 @@ class BlockAllocator:
            cleared when the block is reused), and evictable blocks all carry one;
         5. writes go only to blocks with refcount 1 (`append` copies a shared block first and checks this before
            every write), so no table claims a slot that was never written: its tokens in a block <= the block's fill;
-        6. a table of n tokens has ceil(n / block_size) blocks;
-        7. with no live tables, every block is free (evictable cached blocks count as free).
+        6. a table of n tokens has ceil(n / block_size) entries (released ones, `None`, included);
+        7. with no live tables, every block is free (evictable cached blocks count as free);
+        8. released entries (`None`) form a leading run of a table's entries and hold no reference.
         """
         with self.lock:
             free = list(self._free) + list(self._evictable)
@@ -436,7 +508,10 @@ class BlockAllocator:
                         f"invariant 6: {table!r} holds {len(table.block_ids)} blocks for {table.num_tokens} tokens "
                         f"(expected {want})"
                     )
-                for index, block_id in enumerate(table.block_ids):
+                released = table.num_released
+                if None in table.block_ids[released:]:
+                    raise InvariantError(f"invariant 8: {table!r} has a released entry after a live one")
+                for index, block_id in enumerate(table.block_ids[released:], start=released):
                     self._check_block_id(block_id)
                     expected[block_id] += 1
                     held = min(self.block_size, table.num_tokens - index * self.block_size)

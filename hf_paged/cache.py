@@ -62,12 +62,19 @@ class PagedCache(Cache):
     `generate` expands (beams, `num_return_sequences`) and `reorder_cache` share blocks by refcount, and a shared
     block is copied only when a row writes into it. Full blocks are indexed by content (prefix caching): a later
     prompt that starts with cached blocks shares them and skips their prefill. Blocks go back to the pool on
-    `reset()`/`release()` or when the cache is garbage collected.
+    `reset()`/`release()` or when the cache is garbage collected. When every decoder layer is a sliding-window
+    layer (Mistral-style), blocks whose tokens no layer can attend to again go back to the pool during generation.
 
     Args:
         model (`PreTrainedModel`): the model this cache serves; its pool is `hf_paged.get_pool(model)`.
         **cache_config: `block_size`, `num_blocks`, `max_memory`, `memory_fraction`, `attn_implementation`,
             `prefix_caching` (see `PagedCacheConfig`).
+
+    Attributes:
+        sliding_release_window (`int | None`): the widest window `W` when every decoder layer slides: before each
+            forward a row gives back its blocks holding only tokens older than its last `W - 1`, so a long
+            generation holds about `W / block_size + 2` blocks per row. `None` (a model with a full-attention layer)
+            keeps every block.
 
     Example:
 
@@ -95,8 +102,11 @@ class PagedCache(Cache):
         check_supported(model)
         text_config = model.config.get_text_config(decoder=True)
         self.pool: BlockPool = get_pool(model, config=self.cache_config)
-        layers = [PagedLayer(self, i, window) for i, window in enumerate(layer_windows(model, text_config))]
+        windows = layer_windows(model, text_config)
+        layers = [PagedLayer(self, i, window) for i, window in enumerate(windows)]
         super().__init__(layers=layers)
+        # every layer slides: blocks behind the widest window are given back during generation (None: keep all)
+        self.sliding_release_window: int | None = None if None in windows or not windows else max(windows)
         self._model_ref = weakref.ref(model)
         self._model_name = type(model).__name__
         self._prefix_caching = self.cache_config.resolved_prefix_caching
@@ -170,7 +180,7 @@ class PagedCache(Cache):
         )
 
     def _note_peak_blocks(self) -> None:
-        distinct = {block_id for row in self._rows for block_id in row.table.block_ids}
+        distinct = {block_id for row in self._rows for block_id in row.table.live_block_ids}
         self._peak_blocks = max(self._peak_blocks, len(distinct))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -271,6 +281,8 @@ class PagedCache(Cache):
         with allocator.lock:
             if self._cache_full_blocks():  # the last forward's full blocks: every layer has written them now
                 self._plan = None
+            if self._release_dead_blocks():
+                self._plan = None
             free_before = allocator.num_free
             created = False if scheduled is not None else self._ensure_rows(batch)
             try:
@@ -321,6 +333,29 @@ class PagedCache(Cache):
                     writers,
                 )
         return self._plan
+
+    def _release_dead_blocks(self) -> bool:
+        """All-sliding models: give back each row's leading blocks that no layer attends to in the coming forward
+        (a row of `n` tokens reads from logical position `n - W + 1` on). Returns whether a block was released."""
+        window = self.sliding_release_window
+        if window is None:
+            return False
+        released = 0
+        for row in self._rows:
+            num_tokens = row.table.num_tokens
+            dead = max(0, min(num_tokens - window + 1, num_tokens - 1))  # the last token's block always stays
+            released += self.pool.allocator.release_leading(row.table, dead)
+        return released > 0
+
+    def _released_past(self, new_length: int) -> list[int]:
+        """Rows that keeping only `new_length` padded positions would leave reading released blocks."""
+        window = self.sliding_release_window or 0
+        bad = []
+        for index, row in enumerate(self._rows):
+            kept = new_length - min(row.leading_pads, new_length)
+            if kept and row.table.num_released * self.pool.block_size > max(kept - window + 1, 0):
+                bad.append(index)
+        return bad
 
     def _check_scheduled(self, scheduled: list[int], batch: int, num_new: int) -> list[int]:
         if len(scheduled) != batch or max(scheduled) > num_new:
@@ -456,6 +491,16 @@ class PagedCache(Cache):
                     break
                 same += 1
             common = min(common, new_pads + same)
+        if common < self._seq_length and self._released_past(common):
+            logger.info(
+                "hf_paged: the prompt leaves the cache at %d positions, before blocks it released behind the sliding "
+                "window; recomputing the prompt",
+                common,
+            )
+            _free_rows(self.pool.allocator, self._rows)
+            self._seq_length = 0
+            self._plan = None
+            return self._reuse_cached_prefix(pads, tokens)
         if common < self._seq_length:
             logger.info(
                 "hf_paged: cropping the cache from %d to %d positions to match the prompt", self._seq_length, common
@@ -564,6 +609,13 @@ class PagedCache(Cache):
             )
         if -max_length > self._seq_length:
             raise ValueError(f"crop({max_length}) would remove more than the {self._seq_length} cached positions")
+        bad = self._released_past(self._seq_length + max_length)
+        if bad:
+            raise ValueError(
+                f"crop({max_length}): rows {bad[:5]} gave back blocks behind the sliding window "
+                f"({self.sliding_release_window}) that positions before {self._seq_length + max_length} would attend "
+                "to again; start from a new cache (or reset()) instead"
+            )
         with self.pool.allocator.lock:
             self._cache_full_blocks()
             self._truncate(self._seq_length + max_length)
@@ -611,7 +663,7 @@ class PagedCache(Cache):
             raise RuntimeError("this PagedCache was released; its blocks are back in the pool. Build a new one.")
 
     def __repr__(self) -> str:
-        blocks = sum(len(row.table.block_ids) for row in self._rows)
+        blocks = sum(len(row.table.live_block_ids) for row in self._rows)
         return (
             f"PagedCache(rows={len(self._rows)}, seq_length={self._seq_length}, "
             f"block_size={self.pool.block_size}, blocks={blocks})"

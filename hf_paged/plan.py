@@ -25,7 +25,9 @@ class ForwardPlan:
     """Where one forward's tokens go and where every layer reads its K/V from; built once, used by all layers.
 
     `slot_map[b, j]` is the slot (`block_id * block_size + offset`) of padded position `j` of row `b`; left-pad
-    positions name the row's first slot, which the attention mask hides. `write_slots` are the slots of the new tokens
+    positions and positions whose block was released (behind every layer's sliding window) name the row's first
+    live slot, which the attention mask hides (a sliding layer reads from `first_visible` on, and every query whose
+    output is used sees only positions inside its window). `write_slots` are the slots of the new tokens
     that are stored; `write_index` selects them from the flattened `[batch * num_new]` new tokens (`None` when every
     new token is stored).
     """
@@ -79,12 +81,19 @@ def plan_forward(
     entry is False share the blocks of another row that writes the same tokens (duplicate prompts), so their new
     tokens are not written again."""
     num_cols = max(len(t.block_ids) for t in rows)
+    released = [t.num_released for t in rows]
     blocks = torch.tensor(
-        [t.block_ids + [t.block_ids[0]] * (num_cols - len(t.block_ids)) for t in rows], dtype=torch.long, device=device
+        [
+            [t.block_ids[dead]] * dead + t.block_ids[dead:] + [t.block_ids[dead]] * (num_cols - len(t.block_ids))
+            for t, dead in zip(rows, released)
+        ],
+        dtype=torch.long,
+        device=device,
     )
     pads = torch.tensor(leading_pads, dtype=torch.long, device=device)
     logical = torch.arange(length, device=device)[None, :] - pads[:, None]
-    position = logical.clamp(min=0)  # pad positions read the row's first slot
+    first_live = torch.tensor(released, dtype=torch.long, device=device)[:, None] * block_size
+    position = torch.maximum(logical, first_live)  # pad and released positions read the row's first live slot
     slot_map = blocks.gather(1, position // block_size) * block_size + position % block_size
     write_slots = slot_map[:, length - num_new :].reshape(-1)
     stores = [num_new] * len(rows) if stores is None else stores
@@ -100,7 +109,8 @@ def plan_forward(
 
 def extend_plan(previous: ForwardPlan, rows: list[BlockTable], block_size: int, num_new: int, reads_tables: bool):
     """The previous plan's slot map plus this forward's `num_new` tokens per row, valid when the tables changed only
-    by appending (no reorder, crop or copy-on-write since `previous`) and every new token is stored."""
+    by appending (no reorder, crop, copy-on-write or released block since `previous`) and every new token is
+    stored."""
     new = [
         [
             t.block_ids[p // block_size] * block_size + p % block_size

@@ -73,6 +73,9 @@ class Row:
             tokens = tuple(self.tokens[index * size : (index + 1) * size])
             parent = block_hash(parent, tokens)
             own = self.table.block_ids[index]
+            if own is None:  # released before it was indexed: its hash still links the chain
+                self.hashes.append(parent)
+                continue
             holder = allocator.cache_block(own, parent, tokens)
             if holder != own:
                 if not share:

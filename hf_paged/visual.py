@@ -68,7 +68,8 @@ class PoolSnapshot:
         block_size (`int`): tokens per block.
         blocks (`tuple[BlockView, ...]`): every physical block, by id.
         labels (`tuple[str, ...]`): a name for each shown sequence.
-        tables (`tuple[tuple[int, ...], ...]`): the physical block ids of each shown sequence, in logical order.
+        tables (`tuple[tuple[int | None, ...], ...]`): the physical block ids of each shown sequence, in logical
+            order (`None`: a block released behind the sliding window).
         num_tokens (`tuple[int, ...]`): tokens in each shown sequence.
 
     Example:
@@ -88,7 +89,7 @@ class PoolSnapshot:
     block_size: int
     blocks: tuple[BlockView, ...]
     labels: tuple[str, ...]
-    tables: tuple[tuple[int, ...], ...]
+    tables: tuple[tuple[int | None, ...], ...]
     num_tokens: tuple[int, ...]
 
     @property
@@ -141,7 +142,7 @@ def pool_snapshot(source, tables=None) -> PoolSnapshot:
             _check_table(allocator, label, table)
         owners: dict[int, list[int]] = {}
         for index, table in enumerate(table_list):
-            for block_id in table.block_ids:
+            for block_id in table.live_block_ids:
                 owners.setdefault(block_id, []).append(index)
         held = tokens_per_block(table_list, allocator.block_size)
         evictable = set(allocator.evictable_block_ids)
@@ -178,7 +179,7 @@ def _check_table(allocator: BlockAllocator, label: str, table) -> None:
         raise TypeError(f"sequence {label!r}: expected a BlockTable, got {type(table).__name__}")
     if table.is_freed:
         raise ValueError(f"sequence {label!r}: {table!r} was freed")
-    for block_id in table.block_ids:
+    for block_id in table.live_block_ids:
         if not 0 <= block_id < allocator.num_blocks or allocator.ref_count(block_id) == 0:
             raise ValueError(
                 f"sequence {label!r}: {table!r} names block {block_id}, which this allocator of "
@@ -504,6 +505,9 @@ def _draw_tables(ax, Rectangle, snapshot: PoolSnapshot, colors, span: int) -> No
         y, color = rows - 1 - row, colors[row]
         ax.text(-0.2, y + 0.45, f"{label} ({_plural(num_tokens, 'token')})", ha="right", va="center", fontsize=8)
         for logical, block_id in enumerate(block_ids):
+            if block_id is None:  # released behind the sliding window
+                ax.text(logical + 0.45, y + 0.45, "-", ha="center", va="center", fontsize=7, color="#888888")
+                continue
             tokens = min(snapshot.block_size, num_tokens - logical * snapshot.block_size)
             ax.add_patch(
                 Rectangle((logical, y), 0.9, 0.9, facecolor=(*color[:3], 0.18), edgecolor=color, gid=f"table:{row}")
@@ -617,7 +621,7 @@ def plot_fragmentation(
         f"wasted {naive.slots_wasted} of {naive.slots_allocated} slots: fragmentation {naive.waste_fraction:.3f}",
         fontsize=9,
     )
-    owner = {block_id: (index, table) for index, table in enumerate(tables) for block_id in table.block_ids}
+    owner = {block_id: (index, table) for index, table in enumerate(tables) for block_id in table.live_block_ids}
     for block_id in range(allocator.num_blocks):
         px = (block_id % page_columns) * block_size
         py = page_rows - 1 - block_id // page_columns

@@ -16,7 +16,7 @@ LONG_TESTS = os.environ.get("HF_PAGED_LONG_TESTS") == "1"
 
 @pytest.fixture(autouse=True)
 def pools_stay_consistent():
-    """Every test leaves every live pool consistent (the seven allocator invariants)."""
+    """Every test leaves every live pool consistent (the eight allocator invariants)."""
     yield
     for pool in hf_paged.live_pools():
         pool.check_invariants()

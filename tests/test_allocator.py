@@ -310,9 +310,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         return allocator.free_block_ids, allocator.evictable_block_ids, refs, tables, index
 
     def _read(self, table):
-        """The tokens `table` reads through its block table."""
+        """The tokens `table` reads through its block table (from its first block not released)."""
         size = self.size
-        return [self.slots[table.block_ids[p // size] * size + p % size] for p in range(table.num_tokens)]
+        first = table.num_released * size
+        return [self.slots[table.block_ids[p // size] * size + p % size] for p in range(first, table.num_tokens)]
 
     def _append(self, requests, insert=False):
         """`append_all` of `(table, new tokens)`, then the storage's part: copies first, then the writes; `insert`
@@ -407,6 +408,13 @@ class AllocatorMachine(RuleBasedStateMachine):
         self._count()
         table = self._table(index)
         keep = min(keep, table.num_tokens)
+        if keep and table.block_ids[(keep - 1) // self.size] is None:  # would end inside a released block
+            state = self._state()
+            with pytest.raises(ValueError, match="released"):
+                self.allocator.crop(table, keep)
+            assert self._state() == state
+            self.seen["crop into released blocks refused"] += 1
+            return
         self.allocator.crop(table, keep)
         del self.tokens[table.table_id][keep:]
 
@@ -419,9 +427,31 @@ class AllocatorMachine(RuleBasedStateMachine):
         table = self.tables.pop(index % len(self.tables))
         evictable = allocator.evictable_block_ids
         plain = allocator.free_block_ids[: allocator.num_free - len(evictable)]
-        released = list(table.block_ids)
+        released = table.live_block_ids
         allocator.free(table)
         self.history = [self.tokens.pop(table.table_id)] + self.history[:7]
+        gone = [b for b in released if allocator.ref_count(b) == 0]
+        cached = [b for b in reversed(gone) if allocator.block_hash(b) is not None]
+        assert allocator.evictable_block_ids == evictable + cached
+        assert allocator.free_block_ids == plain + [b for b in gone if b not in cached] + evictable + cached
+
+    @precondition(lambda self: self.tables)
+    @rule(index=st.integers(0, 1000), dead=st.integers(0, 30))
+    def release_leading(self, index, dead):
+        """A sliding window passed the first `dead` tokens: their whole blocks are given back, in logical order
+        (plain ones to the back of the free queue, cached ones to the evictable list); the rest reads unchanged."""
+        self._count()
+        allocator = self.allocator
+        table = self._table(index)
+        dead = min(dead, table.num_tokens)
+        evictable = allocator.evictable_block_ids
+        plain = allocator.free_block_ids[: allocator.num_free - len(evictable)]
+        before = list(table.block_ids)
+        count = allocator.release_leading(table, dead)
+        released = [b for b in before[: dead // self.size] if b is not None]
+        assert count == len(released) and table.block_ids[: dead // self.size] == [None] * (dead // self.size)
+        assert table.block_ids[dead // self.size :] == before[dead // self.size :]
+        self.seen["released block"] += count
         gone = [b for b in released if allocator.ref_count(b) == 0]
         cached = [b for b in reversed(gone) if allocator.block_hash(b) is not None]
         assert allocator.evictable_block_ids == evictable + cached
@@ -437,11 +467,14 @@ class AllocatorMachine(RuleBasedStateMachine):
     def _insert_prefix(self, table):
         full_blocks = chain(ROOT, self.tokens[table.table_id], self.size)
         for position, (block_hash, block_tokens) in enumerate(full_blocks):
+            if table.block_ids[position] is None:  # released: not indexed again
+                continue
             holder = self.allocator.cache_block(table.block_ids[position], block_hash, block_tokens)
             if holder != table.block_ids[position]:
                 self.seen["deduplicated block"] += 1
                 self.allocator.replace_block(table, position, holder)
-        assert self.allocator.lookup_prefix(full_blocks) == table.block_ids[: len(full_blocks)]
+        if not table.num_released:
+            assert self.allocator.lookup_prefix(full_blocks) == table.block_ids[: len(full_blocks)]
 
     def _prompt(self, source, keep, suffix):
         """The first `keep` tokens of a live or freed table (chosen by `source`), then `suffix`."""
@@ -514,11 +547,11 @@ class AllocatorMachine(RuleBasedStateMachine):
         allocator = self.allocator
         allocator.check_invariants()
         for table in self.tables:  # every table reads exactly its reference tokens through its block table
-            assert self._read(table) == self.tokens[table.table_id], table
+            assert self._read(table) == self.tokens[table.table_id][table.num_released * self.size :], table
         for block_id in range(allocator.num_blocks):  # a cached block holds the tokens it is indexed under
             cached = allocator._block_tokens.get(block_id)
             assert cached is None or tuple(self._read_block(block_id)) == cached, block_id
-        held = {b for table in self.tables for b in table.block_ids}
+        held = {b for table in self.tables for b in table.live_block_ids}
         stats = allocator.stats()
         assert stats.num_used == len(held) and stats.num_free + stats.num_used == stats.num_blocks
         assert stats.num_tables == len(self.tables)
@@ -554,7 +587,15 @@ def test_allocator_state_machine_runs_the_target_number_of_steps():
     print(f"allocator state machine: {AllocatorMachine.steps} steps, {dict(AllocatorMachine.seen)}")
     assert all(
         AllocatorMachine.seen[what] > 0
-        for what in ("pool exhausted", "copy-on-write", "deduplicated block", "prefix hit", "eviction")
+        for what in (
+            "pool exhausted",
+            "copy-on-write",
+            "deduplicated block",
+            "prefix hit",
+            "eviction",
+            "released block",
+            "crop into released blocks refused",
+        )
     )
     assert AllocatorMachine.steps >= (10 * MACHINE_STEPS_TARGET if LONG_TESTS else MACHINE_STEPS_TARGET)
 

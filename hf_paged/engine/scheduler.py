@@ -150,7 +150,7 @@ class Scheduler:
                 self.finish(
                     victim,
                     "error",
-                    f"the request holds {len(victim.row.table.block_ids)} blocks and needs {needed} more, but the "
+                    f"the request holds {len(victim.row.table.live_block_ids)} blocks and needs {needed} more, but the "
                     f"pool has {allocator.num_blocks} blocks in all",
                 )
                 failed.append(victim)
