@@ -1,0 +1,30 @@
+"""`hf-paged` command line: defaults and refusals (the server itself is exercised in test_server.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_paged.serve.cli import build_parser
+
+
+def test_serve_defaults_to_loopback():
+    args = build_parser().parse_args(["serve", "some/model"])
+    assert (args.model_path, args.host, args.port, args.block_size, args.api_key) == (
+        "some/model",
+        "127.0.0.1",
+        8000,
+        16,
+        None,
+    )
+
+
+def test_num_blocks_and_max_memory_are_exclusive(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--num-blocks", "8", "--max-memory", "1GiB"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_a_command_is_required(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([])
+    assert "serve" in capsys.readouterr().err
