@@ -1,307 +1,27 @@
-"""Pictures of the block pool: which sequence owns which physical block, and naive reservation next to paging.
-
-`pool_snapshot` reads an allocator and the block tables to show; `render_pool_text` prints it with one character per
-block; `plot_pool` and `plot_fragmentation` draw matplotlib figures. Only the two `plot_*` functions need matplotlib
-(`pip install "hf_paged[viz]"`), and they import it when called, so `import hf_paged` never does.
-"""
+"""`plot_pool` and `plot_fragmentation`: matplotlib figures of the pool, and of naive reservation next to paging.
+matplotlib is imported when a figure is drawn, never by `import hf_paged`."""
 
 from __future__ import annotations
 
 import math
-import string
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
-from .accounting import naive_footprint, paged_footprint
-from .allocator import BlockAllocator, BlockTable, tokens_per_block
-from .pool import BlockPool
+from ..accounting import naive_footprint, paged_footprint
+from ..allocator import BlockAllocator, tokens_per_block
+from .snapshot import (
+    EVICTABLE,
+    FREE,
+    USED,
+    BlockView,
+    PoolSnapshot,
+    check_positive,
+    plural,
+    pool_snapshot,
+    shown_blocks,
+)
 
-FREE, USED, EVICTABLE = "free", "used", "evictable"
-GLYPHS = string.ascii_uppercase
-FREE_GLYPH, EVICTABLE_GLYPH, SHARED_GLYPH, OTHER_GLYPH = ".", "o", "*", "#"
 MAX_FRAGMENTATION_SLOTS = 10_000
 
-
-@dataclass(frozen=True)
-class BlockView:
-    """One physical block as a picture shows it.
-
-    Attributes:
-        block_id (`int`): the physical block id.
-        state (`str`): `"free"`, `"used"` (refcount > 0) or `"evictable"` (cached content no table holds).
-        ref_count (`int`): tables naming the block, shown or not.
-        owners (`tuple[int, ...]`): indices of the shown sequences whose table names the block.
-        num_tokens (`int`): tokens the shown sequences hold in it (a full `block_size` for an evictable block; 0 for
-            a free block or one held only by tables not shown).
-        cached (`bool`): the block is indexed by content in the prefix cache.
-
-    Example:
-
-    ```python
-    >>> from hf_paged import BlockAllocator
-    >>> allocator = BlockAllocator(num_blocks=2, block_size=4)
-    >>> table = allocator.new_table()
-    >>> _ = allocator.append(table, 3)
-    >>> pool_snapshot(allocator, [table]).blocks[0]
-    BlockView(block_id=0, state='used', ref_count=1, owners=(0,), num_tokens=3, cached=False)
-
-    ```
-    """
-
-    block_id: int
-    state: str
-    ref_count: int
-    owners: tuple[int, ...]
-    num_tokens: int
-    cached: bool
-
-    @property
-    def is_shared(self) -> bool:
-        return self.ref_count > 1
-
-
-@dataclass(frozen=True)
-class PoolSnapshot:
-    """The state of a pool at one moment, with the sequences to show.
-
-    Attributes:
-        block_size (`int`): tokens per block.
-        blocks (`tuple[BlockView, ...]`): every physical block, by id.
-        labels (`tuple[str, ...]`): a name for each shown sequence.
-        tables (`tuple[tuple[int | None, ...], ...]`): the physical block ids of each shown sequence, in logical
-            order (`None`: a block released behind the sliding window).
-        num_tokens (`tuple[int, ...]`): tokens in each shown sequence.
-
-    Example:
-
-    ```python
-    >>> from hf_paged import BlockAllocator
-    >>> allocator = BlockAllocator(num_blocks=40, block_size=4)
-    >>> table = allocator.new_table()
-    >>> _ = allocator.append(table, 9)
-    >>> snap = pool_snapshot(allocator, {"A": table})
-    >>> snap.labels, snap.tables, snap.count("used"), snap.count("free"), snap.default_window(columns=16)
-    (('A',), ((0, 1, 2),), 3, 37, 16)
-
-    ```
-    """
-
-    block_size: int
-    blocks: tuple[BlockView, ...]
-    labels: tuple[str, ...]
-    tables: tuple[tuple[int | None, ...], ...]
-    num_tokens: tuple[int, ...]
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
-
-    def count(self, state: str) -> int:
-        return sum(1 for block in self.blocks if block.state == state)
-
-    def default_window(self, columns: int) -> int:
-        """Blocks to show: up to the last block that is not plain free, rounded up to whole rows of `columns`."""
-        last = max((b.block_id for b in self.blocks if b.state != FREE), default=-1)
-        return min(self.num_blocks, max(columns, math.ceil((last + 1) / columns) * columns))
-
-
-def pool_snapshot(source, tables=None) -> PoolSnapshot:
-    """Read the pool's state and the block tables to show.
-
-    Args:
-        source (`BlockAllocator`, `BlockPool` or `PagedCache`): the pool to read. A `PagedCache` also gives its rows
-            (labelled `row 0`, `row 1`, ...) when `tables` is `None`.
-        tables (`Sequence[BlockTable]` or `Mapping[str, BlockTable]`, *optional*): the sequences to show, labelled
-            `seq 0`, `seq 1`, ... or by the mapping's keys. Used blocks that no shown table names are drawn as held
-            by other tables.
-
-    Example:
-
-    ```python
-    >>> from hf_paged import BlockAllocator
-    >>> allocator = BlockAllocator(num_blocks=4, block_size=2)
-    >>> a = allocator.new_table()
-    >>> _ = allocator.append(a, 3)
-    >>> b = allocator.fork(a)
-    >>> snap = pool_snapshot(allocator, {"a": a, "b": b})
-    >>> [(v.block_id, v.state, v.owners, v.num_tokens, v.ref_count) for v in snap.blocks]
-    [(0, 'used', (0, 1), 2, 2), (1, 'used', (0, 1), 1, 2), (2, 'free', (), 0, 0), (3, 'free', (), 0, 0)]
-
-    ```
-    """
-    allocator, default_tables, default_prefix = _resolve_source(source)
-    if tables is None:
-        tables = default_tables
-    if isinstance(tables, Mapping):
-        labels, table_list = [str(key) for key in tables], list(tables.values())
-    else:
-        table_list = list(tables)
-        labels = [f"{default_prefix} {index}" for index in range(len(table_list))]
-    with allocator.lock:
-        for label, table in zip(labels, table_list):
-            _check_table(allocator, label, table)
-        owners: dict[int, list[int]] = {}
-        for index, table in enumerate(table_list):
-            for block_id in table.live_block_ids:
-                owners.setdefault(block_id, []).append(index)
-        held = tokens_per_block(table_list, allocator.block_size)
-        evictable = set(allocator.evictable_block_ids)
-        blocks = []
-        for block_id in range(allocator.num_blocks):
-            ref_count = allocator.ref_count(block_id)
-            state = USED if ref_count else EVICTABLE if block_id in evictable else FREE
-            tokens = allocator.block_size if state == EVICTABLE else held.get(block_id, 0)
-            cached = allocator.block_hash(block_id) is not None
-            blocks.append(BlockView(block_id, state, ref_count, tuple(owners.get(block_id, ())), tokens, cached))
-        return PoolSnapshot(
-            block_size=allocator.block_size,
-            blocks=tuple(blocks),
-            labels=tuple(labels),
-            tables=tuple(tuple(table.block_ids) for table in table_list),
-            num_tokens=tuple(table.num_tokens for table in table_list),
-        )
-
-
-def _resolve_source(source) -> tuple[BlockAllocator, list[BlockTable], str]:
-    from .cache import PagedCache
-
-    if isinstance(source, PagedCache):
-        return source.pool.allocator, source.row_tables, "row"
-    if isinstance(source, BlockPool):
-        return source.allocator, [], "seq"
-    if isinstance(source, BlockAllocator):
-        return source, [], "seq"
-    raise TypeError(f"expected a BlockAllocator, BlockPool or PagedCache, got {type(source).__name__}")
-
-
-def _check_table(allocator: BlockAllocator, label: str, table) -> None:
-    if not isinstance(table, BlockTable):
-        raise TypeError(f"sequence {label!r}: expected a BlockTable, got {type(table).__name__}")
-    if table.is_freed:
-        raise ValueError(f"sequence {label!r}: {table!r} was freed")
-    for block_id in table.live_block_ids:
-        if not 0 <= block_id < allocator.num_blocks or allocator.ref_count(block_id) == 0:
-            raise ValueError(
-                f"sequence {label!r}: {table!r} names block {block_id}, which this allocator of "
-                f"{allocator.num_blocks} blocks does not hold in use (a table of another allocator?)"
-            )
-
-
-# ---------------------------------------------------------------------------------------------------- text
-def render_pool_text(source, tables=None, *, columns: int = 64, max_blocks: int | None = None) -> str:
-    """The pool in a few lines of text: one character per physical block, then each sequence's block table.
-
-    A block of the n-th shown sequence is the n-th capital letter, or the sequence's own label when every label is a
-    single capital letter (lower case when the block is partly filled),
-    `*` a block shared by several tables (refcount > 1), `o` a cached block no table holds (evictable, counts as
-    free), `#` a block held only by tables not shown, `.` a free block.
-
-    Args:
-        source, tables: as for `pool_snapshot` (at most 26 sequences).
-        columns (`int`): blocks per line.
-        max_blocks (`int`, *optional*): blocks to show from block 0; by default up to the last block that is not
-            free, in whole lines.
-
-    Example (seed 003's worked example after three decode steps):
-
-    ```python
-    >>> from hf_paged import BlockAllocator
-    >>> allocator = BlockAllocator(num_blocks=100, block_size=10)
-    >>> tables = {name: allocator.new_table() for name in "ABCD"}
-    >>> for name, prompt_length in zip("ABCD", [8, 5, 12, 9]):
-    ...     _ = allocator.append(tables[name], prompt_length)
-    >>> for step in range(3):
-    ...     for table in tables.values():
-    ...         _ = allocator.append(table, 1)
-    >>> print(render_pool_text(allocator, tables, columns=10))
-    100 blocks x 10 tokens: 7 used, 93 free; blocks 0-9 shown
-         0 AbCcDda...
-    A [0, 6] 11 tokens
-    B [1] 8 tokens
-    C [2, 3] 15 tokens
-    D [4, 5] 12 tokens
-
-    ```
-    """
-    snapshot = source if isinstance(source, PoolSnapshot) else pool_snapshot(source, tables)
-    _check_positive("columns", columns)
-    if len(snapshot.labels) > len(GLYPHS):
-        raise ValueError(
-            f"render_pool_text letters at most {len(GLYPHS)} sequences, got {len(snapshot.labels)}; "
-            "pass the tables to show"
-        )
-    shown = _window(snapshot, columns, max_blocks)
-    glyphs = _glyphs(snapshot.labels)
-    num_used, num_evictable = snapshot.count(USED), snapshot.count(EVICTABLE)
-    free = f"{snapshot.num_blocks - num_used} free" + (f" ({num_evictable} of them cached)" if num_evictable else "")
-    lines = [
-        f"{snapshot.num_blocks} blocks x {snapshot.block_size} tokens: {num_used} used, {free}; "
-        f"blocks 0-{shown - 1} shown"
-    ]
-    for start in range(0, shown, columns):
-        row = "".join(_glyph(snapshot, glyphs, block) for block in snapshot.blocks[start : min(start + columns, shown)])
-        lines.append(f"{start:>6} {row}")
-    for index, (label, block_ids, num_tokens) in enumerate(zip(snapshot.labels, snapshot.tables, snapshot.num_tokens)):
-        name = glyphs[index] if label == glyphs[index] else f"{glyphs[index]} {label}"
-        lines.append(f"{name} {list(block_ids)} {_plural(num_tokens, 'token')}")
-    lines += _shared_lines(snapshot, glyphs)
-    hidden_used = sum(1 for block in snapshot.blocks[shown:] if block.state == USED)
-    if hidden_used:
-        lines.append(f"blocks {shown}-{snapshot.num_blocks - 1} not shown ({hidden_used} used)")
-    return "\n".join(lines)
-
-
-def _plural(count: int, noun: str) -> str:
-    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
-
-
-def _glyphs(labels: tuple[str, ...]) -> tuple[str, ...]:
-    if len(set(labels)) == len(labels) and all(len(label) == 1 and label in GLYPHS for label in labels):
-        return labels
-    return tuple(GLYPHS[: len(labels)])
-
-
-def _glyph(snapshot: PoolSnapshot, glyphs: tuple[str, ...], block: BlockView) -> str:
-    if block.state == FREE:
-        return FREE_GLYPH
-    if block.state == EVICTABLE:
-        return EVICTABLE_GLYPH
-    if block.is_shared:
-        return SHARED_GLYPH
-    if not block.owners:
-        return OTHER_GLYPH
-    letter = glyphs[block.owners[0]]
-    return letter if block.num_tokens == snapshot.block_size else letter.lower()
-
-
-def _shared_lines(snapshot: PoolSnapshot, glyphs: tuple[str, ...]) -> list[str]:
-    groups: dict[tuple[tuple[int, ...], int], list[int]] = {}
-    for block in snapshot.blocks:
-        if block.state == USED and block.is_shared:
-            groups.setdefault((block.owners, block.ref_count), []).append(block.block_id)
-    lines = []
-    for (owners, ref_count), block_ids in groups.items():
-        holders = " ".join(glyphs[owner] for owner in owners) or "tables not shown"
-        others = ref_count - len(owners)
-        if owners and others:
-            holders += f" and {others} table(s) not shown"
-        lines.append(f"* {block_ids} shared by {holders} (refcount {ref_count})")
-    return lines
-
-
-def _window(snapshot: PoolSnapshot, columns: int, max_blocks: int | None) -> int:
-    if max_blocks is None:
-        return snapshot.default_window(columns)
-    _check_positive("max_blocks", max_blocks)
-    return min(max_blocks, snapshot.num_blocks)
-
-
-def _check_positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
-# ---------------------------------------------------------------------------------------------------- figures
 _FREE_FACE, _FREE_EDGE = "white", "#b0b0b0"
 _EVICTABLE_FACE, _OTHER_FACE = "#e4e4e4", "#7a7a7a"
 _WASTE_FACE = "#f3d3d3"
@@ -379,8 +99,8 @@ def plot_pool(
     if columns is None:
         guess = snapshot.default_window(16) if max_blocks is None else min(max_blocks, snapshot.num_blocks)
         columns = max(4, min(32, math.ceil(math.sqrt(guess))))
-    _check_positive("columns", columns)
-    shown = _window(snapshot, columns, max_blocks)
+    check_positive("columns", columns)
+    shown = shown_blocks(snapshot, columns, max_blocks)
     num_rows = math.ceil(shown / columns)
     if ax is not None and show_tables:
         raise ValueError("show_tables draws its own panel: call plot_pool without ax")
@@ -503,7 +223,7 @@ def _draw_tables(ax, Rectangle, snapshot: PoolSnapshot, colors, span: int) -> No
         ax.text(logical + 0.45, rows + 0.1, f"L{logical}", ha="center", va="bottom", fontsize=7, color="#444444")
     for row, (label, block_ids, num_tokens) in enumerate(zip(snapshot.labels, snapshot.tables, snapshot.num_tokens)):
         y, color = rows - 1 - row, colors[row]
-        ax.text(-0.2, y + 0.45, f"{label} ({_plural(num_tokens, 'token')})", ha="right", va="center", fontsize=8)
+        ax.text(-0.2, y + 0.45, f"{label} ({plural(num_tokens, 'token')})", ha="right", va="center", fontsize=8)
         for logical, block_id in enumerate(block_ids):
             if block_id is None:  # released behind the sliding window
                 ax.text(logical + 0.45, y + 0.45, "-", ha="center", va="center", fontsize=7, color="#888888")
@@ -563,12 +283,12 @@ def plot_fragmentation(
     lengths = list(lengths)
     if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths):
         raise ValueError(f"lengths must be a non-empty list of positive ints, got {lengths!r}")
-    _check_positive("block_size", block_size)
+    check_positive("block_size", block_size)
     reserve = max(lengths) if reserve is None else reserve
-    _check_positive("reserve", reserve)
+    check_positive("reserve", reserve)
     if capacity is None:
         capacity = -(-reserve * len(lengths) // block_size) * block_size
-    _check_positive("capacity", capacity)
+    check_positive("capacity", capacity)
     if capacity % block_size:
         raise ValueError(f"capacity ({capacity} slots) must be a multiple of block_size ({block_size})")
     if max(capacity, reserve * len(lengths)) > MAX_FRAGMENTATION_SLOTS:
@@ -589,7 +309,7 @@ def plot_fragmentation(
     colors = _colors(matplotlib, len(lengths))
     if columns is None:
         columns = reserve if reserve <= 32 else max(block_size, 32 // block_size * block_size)
-    _check_positive("columns", columns)
+    check_positive("columns", columns)
     page_columns = max(1, columns // block_size)
     rows_per_sequence = math.ceil(reserve / columns)
     gap = 0.4 if rows_per_sequence > 1 else 0.0
@@ -653,7 +373,7 @@ def plot_fragmentation(
         fontsize=9,
     )
     handles = [
-        Patch(facecolor=color, label=f"seq {i} ({_plural(n, 'token')})")
+        Patch(facecolor=color, label=f"seq {i} ({plural(n, 'token')})")
         for i, (color, n) in enumerate(zip(colors, lengths))
     ]
     handles += [
