@@ -170,6 +170,14 @@ def test_a_client_disconnect_aborts_its_request(server):
     wait_for_idle(server)
 
 
+def test_a_non_streaming_client_that_gives_up_has_its_request_aborted(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": MODEL, "prompt": "Write a long essay about memory.", "max_tokens": 2000, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/completions", json=body, headers=headers, timeout=1.5)
+    wait_for_idle(server, timeout=10)  # 2,000 tokens take far longer than 10 s: the request was aborted
+
+
 @pytest.mark.parametrize(
     ("body", "status", "message"),
     [
