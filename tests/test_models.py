@@ -376,3 +376,16 @@ def test_kv_sharing_gemma3n_is_refused():
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
     )
     assert_refused(model, "Gemma3nForCausalLM shares K/V between layers")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_engine_matches_generate_alone(models, case):
+    """The continuous-batching Engine (rows of different lengths in one forward) on every family."""
+    model = models(case)
+    prompts = [[3 + (7 * i + j) % 100 for j in range(length)] for i, length in enumerate((3, 11, 6, 9))]
+    options = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False}
+    expected = [model.generate(torch.tensor([p]), pad_token_id=0, **options)[0, len(p) :].tolist() for p in prompts]
+    with hf_paged.Engine(model, **CACHE) as engine:
+        outputs = engine.generate(prompts, **options)
+        assert [o.token_ids for o in outputs] == expected
+    assert get_pool(model).stats().num_used == 0
