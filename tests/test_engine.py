@@ -358,3 +358,14 @@ def test_smollm2_stop_strings_and_streamed_text(smollm2):
     assert stopped.text == full.text[:cut] == streamed
     assert stopped.finish_reason == "stop" and len(stopped.token_ids) < len(full.token_ids)
     assert engine.pool.stats().num_used == 0
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_preemption_with_and_without_the_prefix_cache(model, prefix_caching):
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 8, 9, 10, 11, 12, 14, 15, 16]]
+    expected = [alone(model, p, 5, min_new_tokens=5, do_sample=False) for p in prompts]
+    engine = Engine(model, block_size=2, num_blocks=12, prefix_caching=prefix_caching)
+    outputs = engine.generate(prompts * 3, max_new_tokens=5, min_new_tokens=5)
+    assert [o.token_ids for o in outputs] == expected * 3
+    assert engine.last_stats.preemptions > 0 and engine.pool.stats().num_used == 0
+    assert (engine.last_stats.prefix_hit_rate > 0) == prefix_caching
