@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from transformers.generation.logits_process import LogitsProcessorList
 
 from ..rows import Row
 from .params import SamplingParams
@@ -62,6 +63,7 @@ class Request:
     params: SamplingParams
     text: TextTracker | None = None
     generator: torch.Generator | None = None
+    processors: LogitsProcessorList | None = None  # next-token processors, built on first use (`sampler`)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     row: Row | None = None

@@ -48,7 +48,9 @@ def next_tokens(requests: list[Request], logits: torch.Tensor) -> list[int]:
         if not params.uses_processors:
             continue
         row = logits[index : index + 1]
-        processors = logits_processors(params, len(request.prompt_token_ids))
+        if request.processors is None:  # built once per request
+            request.processors = logits_processors(params, len(request.prompt_token_ids))
+        processors = request.processors
         if processors:
             ids = torch.tensor([request.token_ids], dtype=torch.long, device=logits.device)
             row = processors(ids, row)

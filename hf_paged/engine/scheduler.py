@@ -98,6 +98,18 @@ class Scheduler:
             return None, failed
         return Step("decode", list(self.running), [1] * len(self.running)), failed
 
+    def never_fits(self, num_tokens: int) -> str | None:
+        """Why a request of `num_tokens` tokens can never run in this pool (its tokens and the next one need more
+        blocks than the whole pool has), or `None`."""
+        allocator = self.allocator
+        blocks = -(-(num_tokens + 1) // allocator.block_size)
+        if blocks <= allocator.num_blocks:
+            return None
+        return (
+            f"the request needs {blocks} blocks of {allocator.block_size} tokens for its {num_tokens} tokens and the "
+            f"next one, but the whole pool has {allocator.num_blocks} blocks"
+        )
+
     # ------------------------------------------------------------------ admission
     def _admit(self, failed: list[Request]) -> list[Request]:
         allocator = self.allocator
@@ -107,24 +119,21 @@ class Scheduler:
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
             request = self.waiting[0]
             tokens = request.token_ids
-            blocks = -(-(len(tokens) + 1) // allocator.block_size)
-            if blocks > allocator.num_blocks:
+            error = self.never_fits(len(tokens))
+            if error is not None:
                 self.waiting.popleft()
-                request.finish(
-                    "error",
-                    f"the request needs {blocks} blocks of {allocator.block_size} tokens for its {len(tokens)} "
-                    f"tokens and the next one, but the whole pool has {allocator.num_blocks} blocks",
-                )
+                request.finish("error", error)
                 failed.append(request)
                 continue
             row = self._new_row(tokens)
             new = len(tokens) - row.table.num_tokens
+            needed = allocator.num_blocks_needed(row.table, new)
             over_budget = admitted and (len(admitted) + 1) * max(width, new) > self.max_prefill_tokens
-            if over_budget or allocator.num_blocks_needed(row.table, new) + reserve > allocator.num_free:
+            if over_budget or needed + reserve > allocator.num_free:
                 allocator.free(row.table)
                 break
             self.waiting.popleft()
-            reserve += allocator.num_blocks_needed(row.table, new)
+            reserve += needed
             width = max(width, new)
             request.row = row
             request.prefix_tokens_reused += row.table.num_tokens

@@ -119,15 +119,9 @@ def _options(engine, body: SamplingFields, prompt_ids: list[int], chat: bool) ->
             "max_tokens",
             "context_length_exceeded",
         )
-    pool = engine.pool
-    blocks = -(-(len(prompt_ids) + 1) // pool.block_size)
-    if blocks > pool.num_blocks:
-        raise APIError(
-            400,
-            f"the prompt has {len(prompt_ids)} tokens and needs {blocks} KV blocks of {pool.block_size}; the pool "
-            f"has {pool.num_blocks}",
-            "prompt",
-        )
+    error = engine.scheduler.never_fits(len(prompt_ids))
+    if error is not None:
+        raise APIError(400, error, "prompt")
     options = {"max_new_tokens": max_tokens, "stop": body.stop_strings(), "top_k": 0}
     if body.temperature == 0:
         options["do_sample"] = False
