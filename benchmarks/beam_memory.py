@@ -76,7 +76,7 @@ def run(model, num_beams: int, prompt: int, new: int, paged: bool):
         out = model.generate(**kwargs, cache_implementation="paged", cache_config={"block_size": 16})
         seconds = time.perf_counter() - start
         stats = out.past_key_values.stats()
-        per_block = hf_paged.get_pool(model).kv_shape.bytes_per_token * stats.block_size
+        per_block = hf_paged.get_pool(model).kv_shape.bytes_per_block_token * stats.block_size
         out.past_key_values.release()
         return out.sequences, stats.peak_blocks * per_block, stats.cow_copies * per_block / new, seconds
     with KVMeter() as meter:

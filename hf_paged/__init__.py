@@ -12,6 +12,7 @@ from .config import PagedCacheConfig, parse_memory
 from .engine import Engine, EngineStats, RequestOutput, SamplingParams
 from .errors import InvariantError, PoolExhaustedError
 from .generation import attention_implementation, disable, enable, is_enabled
+from .groups import KVLayout, LayerGroup
 from .layer import PagedLayer
 from .pool import BlockPool, KVShape, get_pool, live_pools, release_pool
 from .storage import KVStorage
@@ -32,6 +33,8 @@ __all__ = [
     "EngineStats",
     "Footprint",
     "InvariantError",
+    "LayerGroup",
+    "KVLayout",
     "KVShape",
     "KVStorage",
     "PagedCache",

@@ -403,25 +403,49 @@ class BlockAllocator:
         verified token by token; one query in `stats()`."""
         with self.lock:
             found = []
-            for block_hash, tokens in chain:
-                block_id = self._hash_to_block.get(block_hash)
-                if block_id is None or self._block_tokens[block_id] != tuple(tokens):
+            for block_id in self.lookup_blocks(chain):
+                if block_id is None:
                     break
                 found.append(block_id)
-            self._prefix_queries += 1
-            self._prefix_hits += len(found) * self.block_size
+            self.record_prefix_query(len(found) * self.block_size)
             return found
 
-    def share_cached(self, table: BlockTable, block_ids: list[int]) -> None:
-        """Append cached full blocks to `table` (which must end on a block boundary), taking a reference to each."""
+    def lookup_blocks(self, chain: list[tuple[bytes, tuple[int, ...]]]) -> list[int | None]:
+        """The cached block of every link of `chain`, each looked up on its own and verified token by token
+        (`None` where not cached); not counted in `stats()` (see `record_prefix_query`)."""
+        with self.lock:
+            found = []
+            for block_hash, tokens in chain:
+                block_id = self._hash_to_block.get(block_hash)
+                found.append(None if block_id is None or self._block_tokens[block_id] != tuple(tokens) else block_id)
+            return found
+
+    def record_prefix_query(self, num_tokens_found: int) -> None:
+        """Count one prefix-cache query that found `num_tokens_found` tokens."""
+        with self.lock:
+            self._prefix_queries += 1
+            self._prefix_hits += num_tokens_found
+
+    def share_cached(self, table: BlockTable, block_ids: list[int | None]) -> None:
+        """Append cached full blocks to `table` (which must end on a block boundary), taking a reference to each.
+
+        A leading run of `None` entries (in a table that holds no block yet) records blocks the table starts
+        without: tokens behind a sliding window, counted but never read (as after `release_leading`).
+        """
         with self.lock:
             self._check_live(table)
             if table.num_tokens % self.block_size:
                 raise ValueError(f"{table!r} does not end on a block boundary")
+            holds_blocks = bool(table.live_block_ids)
             for block_id in block_ids:
-                if block_id not in self._block_hash:
+                if block_id is None and holds_blocks:
+                    raise ValueError(f"only a leading run of blocks can be skipped, got {block_ids} for {table!r}")
+                if block_id is not None and block_id not in self._block_hash:
                     raise ValueError(f"block {block_id} is not a cached block")
-                self._acquire_cached(block_id)
+                holds_blocks |= block_id is not None
+            for block_id in block_ids:
+                if block_id is not None:
+                    self._acquire_cached(block_id)
                 table.block_ids.append(block_id)
                 table.num_tokens += self.block_size
             self._peak_used = max(self._peak_used, self.num_used)

@@ -11,10 +11,11 @@ from transformers.cache_utils import Cache
 
 from .allocator import BlockAllocator, tokens_per_block
 from .config import PagedCacheConfig
+from .groups import KVLayout
 from .layer import PagedLayer, layer_windows
-from .plan import ForwardInputs, ForwardPlan, duplicate_row_leaders, extend_plan, plan_forward
+from .plan import ForwardInputs, ForwardPlan, address_tables, duplicate_row_leaders, extend_addressing
 from .pool import BlockPool, get_pool
-from .prefix import prefix_namespace, root_hash
+from .prefix import group_roots, prefix_namespace, root_hash
 from .rows import Row
 from .support import check_supported
 
@@ -50,8 +51,7 @@ def _free_rows(allocator: BlockAllocator, rows: list[Row]) -> None:
     """Return every row's blocks (also the finalizer of a dropped cache: it holds no reference to the cache)."""
     with allocator.lock:
         for row in rows:
-            if not row.table.is_freed:
-                allocator.free(row.table)
+            row.free(allocator)
         rows.clear()
 
 
@@ -62,8 +62,10 @@ class PagedCache(Cache):
     `generate` expands (beams, `num_return_sequences`) and `reorder_cache` share blocks by refcount, and a shared
     block is copied only when a row writes into it. Full blocks are indexed by content (prefix caching): a later
     prompt that starts with cached blocks shares them and skips their prefill. Blocks go back to the pool on
-    `reset()`/`release()` or when the cache is garbage collected. When every decoder layer is a sliding-window
-    layer (Mistral-style), blocks whose tokens no layer can attend to again go back to the pool during generation.
+    `reset()`/`release()` or when the cache is garbage collected. Sliding-window layers give back, during
+    generation, the blocks their window has left behind: all of a row's blocks when every layer slides
+    (Mistral-style), those of the sliding layer groups in hybrid models (Gemma2/3, see `KVLayout`), while the
+    full-attention groups keep theirs.
 
     Args:
         model (`PreTrainedModel`): the model this cache serves; its pool is `hf_paged.get_pool(model)`.
@@ -71,10 +73,11 @@ class PagedCache(Cache):
             `prefix_caching` (see `PagedCacheConfig`).
 
     Attributes:
-        sliding_release_window (`int | None`): the widest window `W` when every decoder layer slides: before each
-            forward a row gives back its blocks holding only tokens older than its last `W - 1`, so a long
-            generation holds about `W / block_size + 2` blocks per row. `None` (a model with a full-attention layer)
-            keeps every block.
+        layout (`KVLayout`): the model's layer groups; every row holds one block table per group.
+        sliding_release_window (`int | None`): the widest window `W` of the sliding layer groups: before each
+            forward a row gives back those groups' blocks holding only tokens older than its last `W - 1`, so a long
+            generation holds about `W / block_size + 2` blocks per row in each of them. `None` when no layer slides.
+            Setting it overrides the window of every sliding group (`None` keeps every block).
 
     Example:
 
@@ -105,12 +108,16 @@ class PagedCache(Cache):
         windows = layer_windows(model, text_config)
         layers = [PagedLayer(self, i, window) for i, window in enumerate(windows)]
         super().__init__(layers=layers)
-        # every layer slides: blocks behind the widest window are given back during generation (None: keep all)
-        self.sliding_release_window: int | None = None if None in windows or not windows else max(windows)
+        layout = self.pool.layout
+        if layout is None or len(layout.group_of) != len(windows):
+            layout = KVLayout.for_windows(windows, split=False)
+        self.layout: KVLayout = layout
+        self._release_windows = layout.windows  # per group; None: the group keeps its blocks
         self._model_ref = weakref.ref(model)
         self._model_name = type(model).__name__
         self._prefix_caching = self.cache_config.resolved_prefix_caching
         self._root = root_hash(prefix_namespace(model))
+        self._roots = group_roots(self._root, layout.num_groups)
         self._rows: list[Row] = []
         self._seq_length = 0
         self._plan: ForwardPlan | None = None
@@ -127,8 +134,27 @@ class PagedCache(Cache):
     # ------------------------------------------------------------------ read-only views
     @property
     def row_tables(self) -> list:
-        """The `BlockTable` of every row (do not modify)."""
+        """The `BlockTable` of every row in the first layer group, the only one unless the model is a hybrid (do not
+        modify)."""
         return [row.table for row in self._rows]
+
+    @property
+    def group_tables(self) -> list[list]:
+        """`group_tables[g][i]`: the `BlockTable` of row `i` in layer group `g` (see `layout`; do not modify)."""
+        return [[row.tables[group] for row in self._rows] for group in range(self.layout.num_groups)]
+
+    @property
+    def release_windows(self) -> list[int | None]:
+        """The release window of every layer group (`None`: the group keeps its blocks)."""
+        return list(self._release_windows)
+
+    @property
+    def sliding_release_window(self) -> int | None:
+        return max((w for w in self._release_windows if w is not None), default=None)
+
+    @sliding_release_window.setter
+    def sliding_release_window(self, window: int | None) -> None:
+        self._release_windows = [None if g.window is None else window for g in self.layout.groups]
 
     @property
     def leading_pads(self) -> list[int]:
@@ -158,6 +184,7 @@ class PagedCache(Cache):
         model = self._model_ref()
         if model is not None:
             self._root = root_hash(prefix_namespace(model))
+            self._roots = group_roots(self._root, self.layout.num_groups)
         return self._root
 
     @property
@@ -167,7 +194,7 @@ class PagedCache(Cache):
     def stats(self) -> CacheStats:
         """This cache's use of the pool (see `CacheStats`)."""
         block_size = self.pool.block_size
-        held = tokens_per_block(self.row_tables, block_size)
+        held = tokens_per_block([table for row in self._rows for table in row.tables], block_size)
         return CacheStats(
             num_rows=len(self._rows),
             seq_length=self._seq_length,
@@ -180,7 +207,7 @@ class PagedCache(Cache):
         )
 
     def _note_peak_blocks(self) -> None:
-        distinct = {block_id for row in self._rows for block_id in row.table.live_block_ids}
+        distinct = {block_id for row in self._rows for block_id in row.live_block_ids}
         self._peak_blocks = max(self._peak_blocks, len(distinct))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -224,10 +251,10 @@ class PagedCache(Cache):
             raise RuntimeError(f"layer {layer_idx} did not write its K/V in this forward")
         plan.layers_read.add(layer_idx)
         storage = self.pool.storage
-        local = plan.on(storage.device_of(layer_idx))
+        local = plan.groups[self.layout.group_of[layer_idx]].on(storage.device_of(layer_idx))
         first = self.layers[layer_idx].first_visible(self._seq_length - plan.num_new)
         slot_map = local.slot_map[:, first:] if first else local.slot_map
-        return storage.gather(layer_idx, slot_map, local.head_rows(storage.keys[layer_idx].shape[2], first))
+        return storage.gather(layer_idx, slot_map, local.head_rows(storage.num_heads(layer_idx), first))
 
     def reads_tables_in_attention(self) -> bool:
         return self._plan is not None and self._plan.reads_tables
@@ -241,7 +268,7 @@ class PagedCache(Cache):
         plan.layers_written.add(layer_idx)
         plan.last_layer = layer_idx
         batch, num_heads, num_new, head_dim = key_states.shape
-        local = plan.on(key_states.device)
+        local = plan.groups[self.layout.group_of[layer_idx]].on(key_states.device)
         new_keys = key_states.transpose(1, 2).reshape(batch * num_new, num_heads, head_dim)
         new_values = value_states.transpose(1, 2).reshape(batch * num_new, num_heads, head_dim)
         if local.write_index is not None:
@@ -293,7 +320,10 @@ class PagedCache(Cache):
                 leaders = duplicate_row_leaders(inputs, batch, num_new) if created else None
                 writers = None if leaders is None else [leader == row for row, leader in enumerate(leaders)]
                 requests = [
-                    (r.table, n) for i, (r, n) in enumerate(zip(self._rows, stores)) if not writers or writers[i]
+                    append
+                    for i, (row, count) in enumerate(zip(self._rows, stores))
+                    if not writers or writers[i]
+                    for append in row.appends(count)
                 ]
                 copies = allocator.append_all(requests, what=f"a forward of {batch} row(s) x {num_new} token(s)")
             except BaseException:
@@ -308,54 +338,44 @@ class PagedCache(Cache):
             if leaders is not None:  # identical prompts: one copy of the blocks, shared by refcount
                 for index, leader in enumerate(leaders):
                     if leader != index:
-                        allocator.free(self._rows[index].table)
+                        self._rows[index].free(allocator)
                         self._rows[index] = self._rows[leader].fork(allocator)
             self._seq_length += num_new
             self.pool.storage.copy_blocks(copies)
             self._cow_copies += len(copies)
             if allocator.num_free != free_before:
                 self._note_peak_blocks()
-            tables = [row.table for row in self._rows]
             previous = self._plan
             appended_only = not created and not copies and not any(pads) and min(stores) == num_new
-            if previous is not None and appended_only:
-                self._plan = extend_plan(previous, tables, allocator.block_size, num_new, inputs.reads_tables)
-            else:
-                self._plan = plan_forward(
-                    tables,
-                    [row.leading_pads for row in self._rows],
-                    allocator.block_size,
-                    self._seq_length,
-                    num_new,
-                    key_states.device,
-                    inputs.reads_tables,
-                    stores,
-                    writers,
-                )
+            size, length, device = allocator.block_size, self._seq_length, key_states.device
+            row_pads = [row.leading_pads for row in self._rows]
+            addressing = []
+            for group in range(self.layout.num_groups):  # one slot map per layer group, used by its layers
+                tables = [row.tables[group] for row in self._rows]
+                if previous is not None and appended_only:
+                    addressing.append(extend_addressing(previous.groups[group], tables, size, num_new))
+                else:
+                    addressing.append(address_tables(tables, row_pads, size, length, num_new, device, stores, writers))
+            self._plan = ForwardPlan(addressing, inputs.reads_tables, num_new)
         return self._plan
 
     def _release_dead_blocks(self) -> bool:
-        """All-sliding models: give back each row's leading blocks that no layer attends to in the coming forward
-        (a row of `n` tokens reads from logical position `n - W + 1` on). Returns whether a block was released."""
-        window = self.sliding_release_window
-        if window is None:
+        """Sliding layer groups: give back each row's leading blocks that the group's layers do not attend to in the
+        coming forward (a row of `n` tokens reads from logical position `n - W + 1` on). Returns whether a block was
+        released."""
+        if not any(window is not None for window in self._release_windows):
             return False
-        released = 0
-        for row in self._rows:
-            num_tokens = row.table.num_tokens
-            dead = max(0, min(num_tokens - window + 1, num_tokens - 1))  # the last token's block always stays
-            released += self.pool.allocator.release_leading(row.table, dead)
-        return released > 0
+        allocator = self.pool.allocator
+        return sum(row.release_behind(allocator, self._release_windows) for row in self._rows) > 0
 
     def _released_past(self, new_length: int) -> list[int]:
         """Rows that keeping only `new_length` padded positions would leave reading released blocks."""
-        window = self.sliding_release_window or 0
-        bad = []
-        for index, row in enumerate(self._rows):
-            kept = new_length - min(row.leading_pads, new_length)
-            if kept and row.table.num_released * self.pool.block_size > max(kept - window + 1, 0):
-                bad.append(index)
-        return bad
+        size = self.pool.block_size
+        return [
+            index
+            for index, row in enumerate(self._rows)
+            if row.reads_released(new_length - min(row.leading_pads, new_length), self._release_windows, size)
+        ]
 
     def _check_scheduled(self, scheduled: list[int], batch: int, num_new: int) -> list[int]:
         if len(scheduled) != batch or max(scheduled) > num_new:
@@ -394,7 +414,7 @@ class PagedCache(Cache):
         allocator = self.pool.allocator
         if not self._rows:
             for _ in range(batch):
-                self._rows.append(Row(allocator.new_table(), tokens=[] if self._prefix_caching else None))
+                self._rows.append(Row.empty(allocator, self.layout.num_groups, self._prefix_caching))
             return True
         if len(self._rows) == batch:
             return False
@@ -406,17 +426,17 @@ class PagedCache(Cache):
     def _tokens_to_store(self, attention_mask, batch: int, num_new: int) -> tuple[list[int], list[int]]:
         """New tokens each row stores, and leading pad positions each row adds (pads before its first real token)."""
         stores, pads = [num_new] * batch, [0] * batch
-        if all(row.table.num_tokens for row in self._rows):
+        if all(row.num_tokens for row in self._rows):
             return stores, pads  # every row is past its left padding: all new tokens are stored
         if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[-1] >= num_new:
             if attention_mask.shape[0] != batch:
                 raise ValueError(f"attention_mask has {attention_mask.shape[0]} rows but the batch has {batch}")
             leading = (attention_mask[:, -num_new:].to(torch.int32).cumsum(-1) == 0).sum(-1).tolist()
             for index, row in enumerate(self._rows):
-                if row.table.num_tokens == 0:
+                if row.num_tokens == 0:
                     pads[index], stores[index] = leading[index], num_new - leading[index]
         for index, row in enumerate(self._rows):
-            if row.table.num_tokens + stores[index] == 0:
+            if row.num_tokens + stores[index] == 0:
                 raise ValueError(
                     f"row {index} has no real token: its attention_mask is all zeros (an empty prompt?); every row "
                     "needs at least one token"
@@ -430,7 +450,7 @@ class PagedCache(Cache):
             return False
         changed = False
         for row in self._rows:
-            changed |= row.cache_full_blocks(self.pool.allocator, self._root, share)
+            changed |= row.cache_full_blocks(self.pool.allocator, self._roots, share)
         return changed
 
     # ------------------------------------------------------------------ prompts and prefixes
@@ -463,8 +483,13 @@ class PagedCache(Cache):
         if len(set(pads)) != 1:
             return 0
         allocator = self.pool.allocator
-        rows = [Row.from_prefix_cache(allocator, self._root, row_tokens) for row_tokens in tokens]
-        num_tokens = min(row.table.num_tokens for row in rows)
+        windows = self._release_windows
+        rows = [Row.from_prefix_cache(allocator, self._roots, windows, row_tokens) for row_tokens in tokens]
+        num_tokens = min(row.num_tokens for row in rows)
+        if any(row.reads_released(num_tokens, windows, allocator.block_size) for row in rows):
+            # a longer hit started its sliding groups past blocks the common prefix reads: look up the common one
+            _free_rows(allocator, rows)
+            rows = [Row.from_prefix_cache(allocator, self._roots, windows, t[: num_tokens + 1]) for t in tokens]
         if num_tokens == 0:
             _free_rows(allocator, rows)
             return 0
@@ -548,7 +573,7 @@ class PagedCache(Cache):
             raise ValueError(
                 f"schedule needs one positive new-token count per row, got {len(rows)} row(s) and {new_tokens}"
             )
-        totals = [row.table.num_tokens + count for row, count in zip(rows, new_tokens)]
+        totals = [row.num_tokens + count for row, count in zip(rows, new_tokens)]
         length = max(totals)
         pads = [length - total for total in totals]
         unchanged = len(rows) == len(self._rows) and all(
@@ -663,7 +688,7 @@ class PagedCache(Cache):
             raise RuntimeError("this PagedCache was released; its blocks are back in the pool. Build a new one.")
 
     def __repr__(self) -> str:
-        blocks = sum(len(row.table.live_block_ids) for row in self._rows)
+        blocks = sum(len(row.live_block_ids) for row in self._rows)
         return (
             f"PagedCache(rows={len(self._rows)}, seq_length={self._seq_length}, "
             f"block_size={self.pool.block_size}, blocks={blocks})"

@@ -21,11 +21,11 @@ class ForwardInputs:
 
 
 @dataclass
-class ForwardPlan:
-    """Where one forward's tokens go and where every layer reads its K/V from; built once, used by all layers.
+class Addressing:
+    """Where one layer group's new tokens go and where its layers read their K/V from, in one forward.
 
     `slot_map[b, j]` is the slot (`block_id * block_size + offset`) of padded position `j` of row `b`; left-pad
-    positions and positions whose block was released (behind every layer's sliding window) name the row's first
+    positions and positions whose block was released (behind the group's sliding window) name the row's first
     live slot, which the attention mask hides (a sliding layer reads from `first_visible` on, and every query whose
     output is used sees only positions inside its window). `write_slots` are the slots of the new tokens
     that are stored; `write_index` selects them from the flattened `[batch * num_new]` new tokens (`None` when every
@@ -35,11 +35,6 @@ class ForwardPlan:
     slot_map: torch.Tensor
     write_slots: torch.Tensor
     write_index: torch.Tensor | None
-    reads_tables: bool
-    num_new: int
-    layers_written: set[int] = field(default_factory=set)
-    layers_read: set[int] = field(default_factory=set)
-    last_layer: int | None = None
     _moved: dict = field(default_factory=dict)
     _head_rows: dict = field(default_factory=dict)
 
@@ -50,31 +45,41 @@ class ForwardPlan:
             self._head_rows[key] = head_rows(self.slot_map[:, first:], num_heads)
         return self._head_rows[key]
 
-    def on(self, device: torch.device) -> ForwardPlan:
-        """This plan with its index tensors on `device` (for models whose layers sit on several devices)."""
+    def on(self, device: torch.device) -> Addressing:
+        """This addressing with its index tensors on `device` (for models whose layers sit on several devices)."""
         if device == self.slot_map.device:
             return self
         if device not in self._moved:
             index = None if self.write_index is None else self.write_index.to(device)
-            self._moved[device] = ForwardPlan(
-                self.slot_map.to(device), self.write_slots.to(device), index, self.reads_tables, self.num_new
-            )
+            self._moved[device] = Addressing(self.slot_map.to(device), self.write_slots.to(device), index)
         return self._moved[device]
 
 
-def plan_forward(
+@dataclass
+class ForwardPlan:
+    """One forward, planned once for all layers: the `Addressing` of every layer group, and which layers have
+    written and read so far."""
+
+    groups: list[Addressing]
+    reads_tables: bool
+    num_new: int
+    layers_written: set[int] = field(default_factory=set)
+    layers_read: set[int] = field(default_factory=set)
+    last_layer: int | None = None
+
+
+def address_tables(
     rows: list[BlockTable],
     leading_pads: list[int],
     block_size: int,
     length: int,
     num_new: int,
     device: torch.device,
-    reads_tables: bool,
     stores: list[int] | None = None,
     writers: list[bool] | None = None,
-) -> ForwardPlan:
-    """Addressing, computed from the block tables, for a forward whose stored tokens were just appended to `rows`
-    (padded length now `length`).
+) -> Addressing:
+    """Addressing, computed from one layer group's block tables, for a forward whose stored tokens were just
+    appended to `rows` (padded length now `length`).
 
     Row `i` stores the last `stores[i]` of the forward's `num_new` positions (all of them by default); the positions
     before those are left pads or tokens the row already holds (recomputed, not written again). Rows whose `writers`
@@ -98,18 +103,18 @@ def plan_forward(
     write_slots = slot_map[:, length - num_new :].reshape(-1)
     stores = [num_new] * len(rows) if stores is None else stores
     if writers is None and all(count == num_new for count in stores):
-        return ForwardPlan(slot_map, write_slots, None, reads_tables, num_new)
+        return Addressing(slot_map, write_slots, None)
     first_stored = torch.tensor([t.num_tokens - count for t, count in zip(rows, stores)], device=device)
     stored = logical[:, length - num_new :] >= first_stored[:, None]
     if writers is not None:
         stored &= torch.tensor(writers, device=device)[:, None]
     stored = stored.reshape(-1)
-    return ForwardPlan(slot_map, write_slots[stored], stored.nonzero().squeeze(1), reads_tables, num_new)
+    return Addressing(slot_map, write_slots[stored], stored.nonzero().squeeze(1))
 
 
-def extend_plan(previous: ForwardPlan, rows: list[BlockTable], block_size: int, num_new: int, reads_tables: bool):
-    """The previous plan's slot map plus this forward's `num_new` tokens per row, valid when the tables changed only
-    by appending (no reorder, crop, copy-on-write or released block since `previous`) and every new token is
+def extend_addressing(previous: Addressing, rows: list[BlockTable], block_size: int, num_new: int) -> Addressing:
+    """The previous forward's slot map plus this forward's `num_new` tokens per row, valid when the tables changed
+    only by appending (no reorder, crop, copy-on-write or released block since `previous`) and every new token is
     stored."""
     new = [
         [
@@ -120,7 +125,7 @@ def extend_plan(previous: ForwardPlan, rows: list[BlockTable], block_size: int, 
     ]
     new_slots = torch.tensor(new, dtype=torch.long, device=previous.slot_map.device)
     slot_map = torch.cat([previous.slot_map, new_slots], dim=1)
-    return ForwardPlan(slot_map, new_slots.reshape(-1), None, reads_tables, num_new)
+    return Addressing(slot_map, new_slots.reshape(-1), None)
 
 
 def duplicate_row_leaders(inputs: ForwardInputs, batch: int, num_new: int) -> list[int] | None:

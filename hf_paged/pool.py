@@ -12,6 +12,7 @@ import torch
 
 from .allocator import AllocatorStats, BlockAllocator
 from .config import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_FRACTION, DEFAULT_MAX_BLOCKS, PagedCacheConfig
+from .groups import KVLayout
 from .storage import KVStorage
 
 logger = logging.getLogger(__name__)
@@ -25,14 +26,24 @@ class KVShape:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    layers_per_block: int | None = None  # layer slots of one block (fewer than num_layers in hybrid layouts)
 
     @property
     def bytes_per_token(self) -> int:
-        """2 (K and V) x layers x KV heads x head dim x dtype bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+        """2 (K and V) x layers x KV heads x head dim x dtype bytes: one token of the model's KV."""
+        return self._bytes(self.num_layers)
+
+    @property
+    def bytes_per_block_token(self) -> int:
+        """What one token slot of a block costs: `bytes_per_token`, or its share of the layers when blocks hold
+        `layers_per_block` layers (a hybrid model's layer groups)."""
+        return self._bytes(self.layers_per_block or self.num_layers)
+
+    def _bytes(self, num_layers: int) -> int:
+        return 2 * num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module) -> KVShape:
+    def from_model(cls, model: torch.nn.Module, layers_per_block: int | None = None) -> KVShape:
         config = model.config.get_text_config(decoder=True)
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
@@ -40,7 +51,7 @@ class KVShape:
         dtype = next(model.parameters()).dtype
         if not dtype.is_floating_point:
             dtype = torch.get_default_dtype()
-        return cls(config.num_hidden_layers, num_kv_heads, head_dim, dtype)
+        return cls(config.num_hidden_layers, num_kv_heads, head_dim, dtype, layers_per_block)
 
 
 class BlockPool:
@@ -50,6 +61,8 @@ class BlockPool:
         num_blocks (`int`): physical blocks.
         block_size (`int`): tokens per block.
         kv_shape (`KVShape`, *optional*): the model's per-token KV cost, for byte accounting.
+        layout (`KVLayout`, *optional*): the model's layer groups (default: one group, every block holds every
+            layer).
 
     Example:
 
@@ -65,10 +78,14 @@ class BlockPool:
     ```
     """
 
-    def __init__(self, num_blocks: int, block_size: int, kv_shape: KVShape | None = None):
+    def __init__(
+        self, num_blocks: int, block_size: int, kv_shape: KVShape | None = None, layout: KVLayout | None = None
+    ):
         self.allocator = BlockAllocator(num_blocks, block_size)
-        self.storage = KVStorage(num_blocks, block_size)
+        split = layout is not None and layout.num_groups > 1
+        self.storage = KVStorage(num_blocks, block_size, layout.slot_of if split else None)
         self.kv_shape = kv_shape
+        self.layout = layout
         self.last_cache_stats = None  # CacheStats of the most recently released PagedCache
 
     @property
@@ -106,12 +123,12 @@ _pools_lock = threading.Lock()
 
 
 def _num_blocks_for_budget(kv_shape: KVShape, block_size: int, budget_bytes: int, source: str) -> int:
-    bytes_per_block = kv_shape.bytes_per_token * block_size
+    bytes_per_block = kv_shape.bytes_per_block_token * block_size
     num_blocks = budget_bytes // bytes_per_block
     if num_blocks < 1:
         raise ValueError(
             f"{source} ({budget_bytes} bytes) is smaller than one KV block "
-            f"({bytes_per_block} bytes = {block_size} tokens x {kv_shape.bytes_per_token} bytes per token)"
+            f"({bytes_per_block} bytes = {block_size} tokens x {kv_shape.bytes_per_block_token} bytes per token)"
         )
     return num_blocks
 
@@ -141,16 +158,16 @@ def _check_fits(model: torch.nn.Module, num_blocks: int, block_size: int, kv_sha
     """Refuse an explicit pool size larger than the memory of the model's device."""
     device = next(model.parameters()).device
     total = _device_memory(device)
-    needed = num_blocks * block_size * kv_shape.bytes_per_token
+    needed = num_blocks * block_size * kv_shape.bytes_per_block_token
     if total is not None and needed > total:
         raise ValueError(
-            f"{source} asks for {num_blocks} blocks x {block_size} tokens x {kv_shape.bytes_per_token} bytes = "
+            f"{source} asks for {num_blocks} blocks x {block_size} tokens x {kv_shape.bytes_per_block_token} bytes = "
             f"{needed / 2**30:.1f} GiB of KV, more than the {total / 2**30:.1f} GiB of memory of {device}"
         )
 
 
-def _size_pool(model: torch.nn.Module, config: PagedCacheConfig) -> tuple[int, int, KVShape]:
-    kv_shape = KVShape.from_model(model)
+def _size_pool(model: torch.nn.Module, config: PagedCacheConfig, layout: KVLayout) -> tuple[int, int, KVShape]:
+    kv_shape = KVShape.from_model(model, layout.slots_per_block)
     block_size = config.resolved_block_size
     if config.num_blocks is not None:
         _check_fits(model, config.num_blocks, block_size, kv_shape, f"num_blocks={config.num_blocks}")
@@ -199,7 +216,8 @@ def get_pool(model: torch.nn.Module, **cache_config) -> BlockPool:
         pool = _pools.get(model)
         if pool is not None and config == PagedCacheConfig():
             return pool
-        num_blocks, block_size, kv_shape = _size_pool(model, config)
+        layout = KVLayout.for_model(model)
+        num_blocks, block_size, kv_shape = _size_pool(model, config, layout)
         if pool is not None and _pool_matches(pool, config, num_blocks, block_size):
             return pool
         if pool is not None and pool.allocator.num_used:
@@ -208,12 +226,13 @@ def get_pool(model: torch.nn.Module, **cache_config) -> BlockPool:
                 f"{pool.allocator.num_used} blocks in use; it cannot be rebuilt as block_size={block_size}, "
                 f"num_blocks={num_blocks} until every PagedCache using it is released"
             )
-        pool = BlockPool(num_blocks, block_size, kv_shape)
+        pool = BlockPool(num_blocks, block_size, kv_shape, layout)
         logger.info(
-            "hf_paged: pool of %d blocks x %d tokens (%.1f MiB of KV) for %s",
+            "hf_paged: pool of %d blocks x %d tokens (%.1f MiB of KV, %d layer group(s)) for %s",
             num_blocks,
             block_size,
-            num_blocks * block_size * kv_shape.bytes_per_token / 2**20,
+            num_blocks * block_size * kv_shape.bytes_per_block_token / 2**20,
+            layout.num_groups,
             type(model).__name__,
         )
         _pools[model] = pool

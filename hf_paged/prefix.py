@@ -46,6 +46,27 @@ def root_hash(namespace: bytes) -> bytes:
     return hashlib.blake2b(namespace, digest_size=DIGEST_SIZE, person=b"hf_paged-root").digest()
 
 
+def group_roots(root: bytes, num_groups: int) -> list[bytes]:
+    """The chain root of every layer group (a block of one group never stands in for another group's): `[root]` for
+    a single group.
+
+    Example:
+
+    ```python
+    >>> root = root_hash(b"model")
+    >>> group_roots(root, 1) == [root], len(set(group_roots(root, 3)))
+    (True, 3)
+
+    ```
+    """
+    if num_groups == 1:
+        return [root]
+    return [
+        hashlib.blake2b(root + index.to_bytes(4, "little"), digest_size=DIGEST_SIZE, person=b"hf_paged-group").digest()
+        for index in range(num_groups)
+    ]
+
+
 def block_hash(parent: bytes, tokens: list[int] | tuple[int, ...]) -> bytes:
     """Hash of one full block: its parent's hash and its token ids (blake2b, never Python's `hash`).
 

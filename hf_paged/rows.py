@@ -1,4 +1,4 @@
-"""`Row`: one sequence of a `PagedCache` — its block table, its left padding, and what the prefix cache needs."""
+"""`Row`: one sequence of a `PagedCache` — its block tables, its left padding, and what the prefix cache needs."""
 
 from __future__ import annotations
 
@@ -8,41 +8,125 @@ from .allocator import BlockAllocator, BlockTable
 from .prefix import block_hash, chain
 
 
+def dead_tokens(num_tokens: int, window: int | None) -> int:
+    """Leading tokens of a row of `num_tokens` that a sliding window of `window` never reads again: the next token
+    attends to the last `window - 1` (the last token's block always stays). 0 for full attention."""
+    if window is None:
+        return 0
+    return max(0, min(num_tokens - window + 1, num_tokens - 1))
+
+
 @dataclass(eq=False)
 class Row:
-    """One sequence of a `PagedCache`.
+    """One sequence of a `PagedCache`: a block table per layer group (one, unless the model mixes full and
+    sliding-window layers; see `KVLayout`), all holding the same tokens.
 
     Attributes:
-        table (`BlockTable`): the row's blocks; it holds the row's tokens from its first real one.
+        tables (`list[BlockTable]`): the row's blocks, one table per layer group; each holds the row's tokens from
+            its first real one.
         leading_pads (`int`): left-pad positions before the first real token (never stored).
-        tokens (`list[int] | None`): the token ids in the table, for content hashing; `None` when unknown (the
+        tokens (`list[int] | None`): the token ids in the tables, for content hashing; `None` when unknown (the
             forward got `inputs_embeds`) or when prefix caching is off.
-        hashes (`list[bytes]`): chained hashes of the first `len(hashes)` full blocks, already in the prefix index.
+        hashes (`list[list[bytes]]`): per group, chained hashes of the first full blocks, already in the prefix
+            index.
+
+    Example:
+
+    ```python
+    >>> from hf_paged import BlockAllocator
+    >>> allocator = BlockAllocator(num_blocks=8, block_size=4)
+    >>> row = Row.empty(allocator, num_groups=2)
+    >>> _ = allocator.append_all(row.appends(6))
+    >>> [table.block_ids for table in row.tables], row.num_tokens
+    ([[0, 1], [2, 3]], 6)
+    >>> row.release_behind(allocator, [None, 2]), [table.block_ids for table in row.tables]
+    (1, [[0, 1], [None, 3]])
+    >>> row.free(allocator)
+
+    ```
     """
 
-    table: BlockTable
+    tables: list[BlockTable]
     leading_pads: int = 0
     tokens: list[int] | None = field(default_factory=list)
-    hashes: list[bytes] = field(default_factory=list)
+    hashes: list[list[bytes]] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.hashes:
+            self.hashes = [[] for _ in self.tables]
 
     @classmethod
-    def from_prefix_cache(cls, allocator: BlockAllocator, root: bytes, tokens: list[int]) -> Row:
+    def empty(cls, allocator: BlockAllocator, num_groups: int = 1, track_tokens: bool = True) -> Row:
+        """A row with no token yet (`track_tokens=False`: its token ids are not kept, prefix caching is off)."""
+        return cls([allocator.new_table() for _ in range(num_groups)], tokens=[] if track_tokens else None)
+
+    @classmethod
+    def from_prefix_cache(
+        cls, allocator: BlockAllocator, roots: list[bytes], windows: list[int | None], tokens: list[int]
+    ) -> Row:
         """A new row holding the longest cached, block-aligned prefix of `tokens` that leaves at least one token to
-        compute (possibly none of it)."""
+        compute (possibly none of it). `roots` and `windows` give every layer group's chain root and sliding window:
+        a full-attention group needs every block of the prefix, a sliding group only the blocks its window still
+        reads (it starts without the others)."""
         size = allocator.block_size
-        links = chain(root, tokens[: (len(tokens) - 1) // size * size], size)
-        blocks = allocator.lookup_prefix(links)
-        row = cls(allocator.new_table(), 0, list(tokens[: len(blocks) * size]), [h for h, _ in links[: len(blocks)]])
-        allocator.share_cached(row.table, blocks)
+        usable = (len(tokens) - 1) // size * size
+        links = [chain(root, tokens[:usable], size) for root in roots]
+        found = [allocator.lookup_blocks(group_links) for group_links in links]
+        num_blocks = usable // size
+        for group_found, window in zip(found, windows):
+            if window is None:
+                num_blocks = min(num_blocks, (group_found + [None]).index(None))
+        while num_blocks and any(
+            None in group_found[dead_tokens(num_blocks * size, window) // size : num_blocks]
+            for group_found, window in zip(found, windows)
+            if window is not None
+        ):
+            num_blocks -= 1
+        allocator.record_prefix_query(num_blocks * size)
+        row = cls.empty(allocator, len(roots))
+        row.tokens = list(tokens[: num_blocks * size])
+        for index, (table, group_found, window) in enumerate(zip(row.tables, found, windows)):
+            skipped = dead_tokens(num_blocks * size, window) // size
+            allocator.share_cached(table, [None] * skipped + group_found[skipped:num_blocks])
+            row.hashes[index] = [h for h, _ in links[index][:num_blocks]]
         return row
+
+    @property
+    def table(self) -> BlockTable:
+        """The first group's table (the only one unless the model is a hybrid)."""
+        return self.tables[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tables[0].num_tokens
+
+    @property
+    def live_block_ids(self) -> list[int]:
+        """Every block the row holds, group after group."""
+        return [block_id for table in self.tables for block_id in table.live_block_ids]
+
+    @property
+    def is_freed(self) -> bool:
+        return self.tables[0].is_freed
+
+    def appends(self, num_new_tokens: int) -> list[tuple[BlockTable, int]]:
+        """`(table, num_new_tokens)` of every group, for `BlockAllocator.append_all` / `num_blocks_needed_for`."""
+        return [(table, num_new_tokens) for table in self.tables]
 
     def fork(self, allocator: BlockAllocator) -> Row:
         """A row sharing every block of this one."""
         tokens = None if self.tokens is None else list(self.tokens)
-        return Row(allocator.fork(self.table), self.leading_pads, tokens, list(self.hashes))
+        tables = [allocator.fork(table) for table in self.tables]
+        return Row(tables, self.leading_pads, tokens, [list(hashes) for hashes in self.hashes])
+
+    def free(self, allocator: BlockAllocator) -> None:
+        """Return every block (a second call does nothing)."""
+        for table in self.tables:
+            if not table.is_freed:
+                allocator.free(table)
 
     def record(self, new_tokens: list[int] | None) -> None:
-        """Remember the ids of tokens just appended to the table (`None`: unknown from now on)."""
+        """Remember the ids of tokens just appended to the tables (`None`: unknown from now on)."""
         if self.tokens is None:
             return
         if new_tokens is None:
@@ -54,33 +138,54 @@ class Row:
         """Keep the first `length` padded positions."""
         self.leading_pads = min(self.leading_pads, length)
         kept = length - self.leading_pads
-        allocator.crop(self.table, kept)
+        for table, hashes in zip(self.tables, self.hashes):
+            allocator.crop(table, kept)
+            del hashes[kept // allocator.block_size :]
         if self.tokens is not None:
             del self.tokens[kept:]
-        del self.hashes[kept // allocator.block_size :]
 
-    def cache_full_blocks(self, allocator: BlockAllocator, root: bytes, share: bool = True) -> bool:
-        """Put every full block not yet indexed into the prefix index. A block whose content is already cached in
-        another block is replaced by that one (storage shared) when `share`; without `share` (mid-forward, when the
-        table must not change) indexing stops there and resumes on the next call. Returns whether the table
-        changed."""
+    def release_behind(self, allocator: BlockAllocator, windows: list[int | None]) -> int:
+        """Give back, in every sliding group, the leading blocks its window (`windows[group]`) no longer reads
+        before the next token; returns how many blocks were released."""
+        released = 0
+        for table, window in zip(self.tables, windows):
+            if window is not None:
+                released += allocator.release_leading(table, dead_tokens(table.num_tokens, window))
+        return released
+
+    def reads_released(self, num_tokens: int, windows: list[int | None], block_size: int) -> bool:
+        """Whether keeping only the first `num_tokens` tokens would leave a group whose window reaches back into
+        blocks it released."""
+        if not num_tokens:
+            return False
+        return any(
+            table.num_released * block_size > max(num_tokens - (window or 0) + 1, 0)
+            for table, window in zip(self.tables, windows)
+        )
+
+    def cache_full_blocks(self, allocator: BlockAllocator, roots: list[bytes], share: bool = True) -> bool:
+        """Put every full block not yet indexed into the prefix index, group by group (`roots[group]` starts each
+        group's chain). A block whose content is already cached in another block is replaced by that one (storage
+        shared) when `share`; without `share` (mid-forward, when the tables must not change) indexing of that group
+        stops there and resumes on the next call. Returns whether a table changed."""
         if self.tokens is None:
             return False
         size = allocator.block_size
         changed = False
-        parent = self.hashes[-1] if self.hashes else root
-        for index in range(len(self.hashes), self.table.num_tokens // size):
-            tokens = tuple(self.tokens[index * size : (index + 1) * size])
-            parent = block_hash(parent, tokens)
-            own = self.table.block_ids[index]
-            if own is None:  # released before it was indexed: its hash still links the chain
-                self.hashes.append(parent)
-                continue
-            holder = allocator.cache_block(own, parent, tokens)
-            if holder != own:
-                if not share:
-                    break
-                allocator.replace_block(self.table, index, holder)
-                changed = True
-            self.hashes.append(parent)
+        for table, hashes, root in zip(self.tables, self.hashes, roots):
+            parent = hashes[-1] if hashes else root
+            for index in range(len(hashes), table.num_tokens // size):
+                tokens = tuple(self.tokens[index * size : (index + 1) * size])
+                parent = block_hash(parent, tokens)
+                own = table.block_ids[index]
+                if own is None:  # released before it was indexed: its hash still links the chain
+                    hashes.append(parent)
+                    continue
+                holder = allocator.cache_block(own, parent, tokens)
+                if holder != own:
+                    if not share:
+                        break
+                    allocator.replace_block(table, index, holder)
+                    changed = True
+                hashes.append(parent)
         return changed

@@ -10,16 +10,19 @@ from .allocator import BlockCopy
 
 
 class KVStorage:
-    """Per-layer K and V tensors of shape `[num_blocks, block_size, num_kv_heads, head_dim]` (the layout paged GPU
-    kernels such as flash-attn's `flash_attn_with_kvcache(block_table=...)` read).
+    """K and V tensors of shape `[num_blocks, block_size, num_kv_heads, head_dim]` per layer slot (the layout paged
+    GPU kernels such as flash-attn's `flash_attn_with_kvcache(block_table=...)` read).
 
-    A layer's tensors are allocated on the first write, on the device and in the dtype of the K/V that layer
-    produces, so models spread over several devices keep each layer's blocks next to its weights. Slots are
-    addressed as `block_id * block_size + offset`.
+    Every layer has a slot of its own, except in hybrid models split into layer groups (see `KVLayout`), where
+    layer `l` uses slot `layer_slots[l]`, shared with one layer of every other group: a block belongs to one group
+    at a time, so its slots hold that group's layers. A slot's tensors are allocated on the first write, on the
+    device and in the dtype of the K/V its layer produces, so models spread over several devices keep each layer's
+    blocks next to its weights. Slots are addressed as `block_id * block_size + offset`.
 
     Args:
-        num_blocks (`int`): blocks per layer.
+        num_blocks (`int`): blocks per layer slot.
         block_size (`int`): tokens per block.
+        layer_slots (`tuple[int, ...]`, *optional*): the slot of every layer (default: layer `l` uses slot `l`).
 
     Example:
 
@@ -35,12 +38,16 @@ class KVStorage:
     ```
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, layer_slots: tuple[int, ...] | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.keys: dict[int, torch.Tensor] = {}
+        self.layer_slots = layer_slots
+        self.keys: dict[int, torch.Tensor] = {}  # by slot
         self.values: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
+
+    def slot_of(self, layer_idx: int) -> int:
+        return layer_idx if self.layer_slots is None else self.layer_slots[layer_idx]
 
     @property
     def nbytes(self) -> int:
@@ -49,32 +56,34 @@ class KVStorage:
     def ensure_layer(self, layer_idx: int, like: torch.Tensor) -> None:
         """Allocate `layer_idx` for tokens shaped like `like` (`[..., num_kv_heads, head_dim]`) or check it matches."""
         num_heads, head_dim = like.shape[-2], like.shape[-1]
-        existing = self.keys.get(layer_idx)
+        slot = self.slot_of(layer_idx)
+        existing = self.keys.get(slot)
         if existing is None:
             with self._lock:
-                if layer_idx not in self.keys:
+                if slot not in self.keys:
                     shape = (self.num_blocks, self.block_size, num_heads, head_dim)
                     # empty, not zeros: pages are touched only as blocks are used, and reads only ever name slots
                     # that were written (pad positions name the row's first real slot)
                     with torch.inference_mode(False):  # normal tensors: written in and out of inference mode
-                        self.keys[layer_idx] = torch.empty(shape, dtype=like.dtype, device=like.device)
-                        self.values[layer_idx] = torch.empty(shape, dtype=like.dtype, device=like.device)
+                        self.keys[slot] = torch.empty(shape, dtype=like.dtype, device=like.device)
+                        self.values[slot] = torch.empty(shape, dtype=like.dtype, device=like.device)
             return
         if (
             existing.shape[2:] != (num_heads, head_dim)
             or existing.dtype != like.dtype
             or existing.device != like.device
         ):
+            shared = "" if slot == layer_idx else f" (slot {slot}, shared with other layer groups)"
             raise ValueError(
-                f"layer {layer_idx} of the KV pool holds {existing.shape[2]} heads x {existing.shape[3]} dims of "
-                f"{existing.dtype} on {existing.device}, but the model produced {num_heads} heads x {head_dim} dims "
-                f"of {like.dtype} on {like.device}. A pool serves one model in one dtype; call "
+                f"layer {layer_idx}{shared} of the KV pool holds {existing.shape[2]} heads x {existing.shape[3]} "
+                f"dims of {existing.dtype} on {existing.device}, but the model produced {num_heads} heads x "
+                f"{head_dim} dims of {like.dtype} on {like.device}. A pool serves one model in one dtype; call "
                 "hf_paged.release_pool(model) after changing the model's dtype or device."
             )
 
     def write(self, layer_idx: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store tokens `keys[i]`, `values[i]` (each `[num_tokens, num_kv_heads, head_dim]`) into `slots[i]`."""
-        if layer_idx not in self.keys:
+        if self.slot_of(layer_idx) not in self.keys:
             self.ensure_layer(layer_idx, keys)
         flat_keys, flat_values = self._flat(layer_idx)
         flat_keys.index_copy_(0, slots, keys)
@@ -86,7 +95,7 @@ class KVStorage:
         """K and V of the slots in `slot_map` (`[batch, length]`) as contiguous `[batch, num_kv_heads, length,
         head_dim]` tensors, read head by head (`head_index = head_rows(slot_map, num_kv_heads)` may be passed in when
         several layers share it)."""
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys, values = self.layer_tensors(layer_idx)
         num_heads, head_dim = keys.shape[2], keys.shape[3]
         if head_index is None:
             head_index = head_rows(slot_map, num_heads)
@@ -97,21 +106,29 @@ class KVStorage:
         return out[0], out[1]
 
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
-        """Copy whole blocks `src -> dst` in every allocated layer (copy-on-write)."""
+        """Copy whole blocks `src -> dst` in every allocated slot (copy-on-write)."""
         if not copies:
             return
-        for layer_idx, keys in self.keys.items():
+        for slot, keys in self.keys.items():
             src = torch.tensor([c.src for c in copies], device=keys.device)
             dst = torch.tensor([c.dst for c in copies], device=keys.device)
             keys.index_copy_(0, dst, keys.index_select(0, src))
-            values = self.values[layer_idx]
+            values = self.values[slot]
             values.index_copy_(0, dst, values.index_select(0, src))
 
+    def layer_tensors(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V tensors holding `layer_idx`."""
+        slot = self.slot_of(layer_idx)
+        return self.keys[slot], self.values[slot]
+
     def device_of(self, layer_idx: int) -> torch.device:
-        return self.keys[layer_idx].device
+        return self.keys[self.slot_of(layer_idx)].device
+
+    def num_heads(self, layer_idx: int) -> int:
+        return self.keys[self.slot_of(layer_idx)].shape[2]
 
     def _flat(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys, values = self.layer_tensors(layer_idx)
         return keys.view(-1, *keys.shape[2:]), values.view(-1, *values.shape[2:])
 
 

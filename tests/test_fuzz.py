@@ -91,10 +91,11 @@ def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return input_ids, attention_mask
 
 
-def worst_case_blocks(case: Case, block_size: int) -> int:
-    """Blocks the case can hold at once at most: every row alone, prompt and every new token stored."""
+def worst_case_blocks(case: Case, block_size: int, num_groups: int) -> int:
+    """Blocks the case can hold at once at most: every row alone, prompt and every new token stored, in each of
+    the model's layer groups."""
     longest = max(len(p) for p in case.prompts) + case.max_new_tokens
-    return case.num_rows * -(-longest // block_size)
+    return case.num_rows * -(-longest // block_size) * num_groups
 
 
 class Fuzzer:
@@ -138,7 +139,7 @@ class Fuzzer:
             self.generate_case(case)
             return
         hog = self.pool.allocator.new_table()  # all but the blocks the case can need (+ tight_pool) are taken
-        spare = max(0, worst_case_blocks(case, self.block_size) + case.tight_pool)
+        spare = max(0, worst_case_blocks(case, self.block_size, self.pool.layout.num_groups) + case.tight_pool)
         self.pool.allocator.append(hog, max(0, NUM_BLOCKS - spare) * self.block_size)
         self.seen["nearly full pool"] += 1
         try:

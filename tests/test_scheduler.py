@@ -25,7 +25,7 @@ def run(scheduler: Scheduler, step) -> None:
         req.append_token(7)
     if scheduler.root is not None:
         for req in step.requests:
-            req.row.cache_full_blocks(scheduler.allocator, scheduler.root)
+            req.row.cache_full_blocks(scheduler.allocator, [scheduler.root])
 
 
 def names(requests) -> list[str]:

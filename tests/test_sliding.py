@@ -75,10 +75,14 @@ def prompt(length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, 128, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
-def test_all_sliding_model_gets_a_release_window_and_hybrids_do_not(mistral):
-    assert PagedCache(mistral, block_size=BLOCK_SIZE, num_blocks=16).sliding_release_window == WINDOW
+def test_release_windows_follow_the_layer_groups(mistral):
+    cache = PagedCache(mistral, block_size=BLOCK_SIZE, num_blocks=16)
+    assert cache.sliding_release_window == WINDOW and cache.release_windows == [WINDOW]
     assert PagedCache(tiny_model("mistral"), num_blocks=16).sliding_release_window is None  # no window
-    assert PagedCache(tiny_model("gemma2"), num_blocks=16).sliding_release_window is None  # full + sliding layers
+    hybrid = PagedCache(tiny_model("gemma2"), num_blocks=16)  # full + sliding layers: one group of each
+    assert hybrid.release_windows == [None, 6] and hybrid.sliding_release_window == 6
+    hybrid.sliding_release_window = None
+    assert hybrid.release_windows == [None, None]
 
 
 def test_greedy_400_tokens_match_dynamic_cache_in_a_pool_too_small_to_keep_every_block(mistral):

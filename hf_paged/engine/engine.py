@@ -79,7 +79,9 @@ class Engine:
         self.cache = PagedCache(model, **cache_config)
         self.pool = self.cache.pool
         root = self.cache.prefix_root if self.cache.prefix_caching else None
-        self.scheduler = Scheduler(self.pool.allocator, root, max_batch_size, max_prefill_tokens)
+        self.scheduler = Scheduler(
+            self.pool.allocator, root, max_batch_size, max_prefill_tokens, self.cache.release_windows
+        )
         text_config = model.config.get_text_config(decoder=True)
         self.vocab_size = text_config.vocab_size
         self.max_context = getattr(text_config, "max_position_embeddings", None)

@@ -8,6 +8,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..allocator import BlockAllocator
+from ..prefix import group_roots
 from ..rows import Row
 from .request import Request, RequestStatus
 
@@ -39,6 +40,9 @@ class Scheduler:
         max_batch_size (`int`): most requests running at once.
         max_prefill_tokens (`int`): most padded positions (rows x width) in one prefill forward; a single request
             is always admitted alone.
+        windows (`list[int | None]`, *optional*): the release window of every layer group of the cache the rows
+            serve (`PagedCache.release_windows`; default one full-attention group): a row holds a table per group,
+            and sliding groups give back the blocks behind their window before each decode step.
 
     Example:
 
@@ -61,9 +65,11 @@ class Scheduler:
         root: bytes | None,
         max_batch_size: int = 64,
         max_prefill_tokens: int = 4096,
+        windows: list[int | None] | None = None,
     ):
         self.allocator = allocator
         self.root = root
+        self.windows = list(windows) if windows else [None]
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Request] = deque()
@@ -91,7 +97,7 @@ class Scheduler:
         failed: list[Request] = []
         admitted = self._admit(failed)
         if admitted:
-            new_tokens = [len(r.token_ids) - r.row.table.num_tokens for r in admitted]
+            new_tokens = [len(r.token_ids) - r.row.num_tokens for r in admitted]
             return Step("prefill", admitted, new_tokens), failed
         self._make_room_for_decode(failed)
         if not self.running:
@@ -100,20 +106,21 @@ class Scheduler:
 
     def never_fits(self, num_tokens: int) -> str | None:
         """Why a request of `num_tokens` tokens can never run in this pool (its tokens and the next one need more
-        blocks than the whole pool has), or `None`."""
+        blocks, in every layer group, than the whole pool has), or `None`."""
         allocator = self.allocator
-        blocks = -(-(num_tokens + 1) // allocator.block_size)
+        blocks = -(-(num_tokens + 1) // allocator.block_size) * len(self.windows)
         if blocks <= allocator.num_blocks:
             return None
+        groups = "" if len(self.windows) == 1 else f" in each of its {len(self.windows)} layer groups"
         return (
             f"the request needs {blocks} blocks of {allocator.block_size} tokens for its {num_tokens} tokens and the "
-            f"next one, but the whole pool has {allocator.num_blocks} blocks"
+            f"next one{groups}, but the whole pool has {allocator.num_blocks} blocks"
         )
 
     # ------------------------------------------------------------------ admission
     def _admit(self, failed: list[Request]) -> list[Request]:
         allocator = self.allocator
-        reserve = allocator.num_blocks_needed_for([(r.row.table, 1) for r in self.running])
+        reserve = allocator.num_blocks_needed_for(self._decode_appends())
         admitted: list[Request] = []
         width = 0
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
@@ -126,17 +133,17 @@ class Scheduler:
                 failed.append(request)
                 continue
             row = self._new_row(tokens)
-            new = len(tokens) - row.table.num_tokens
-            needed = allocator.num_blocks_needed(row.table, new)
+            new = len(tokens) - row.num_tokens
+            needed = allocator.num_blocks_needed_for(row.appends(new))
             over_budget = admitted and (len(admitted) + 1) * max(width, new) > self.max_prefill_tokens
             if over_budget or needed + reserve > allocator.num_free:
-                allocator.free(row.table)
+                row.free(allocator)
                 break
             self.waiting.popleft()
             reserve += needed
             width = max(width, new)
             request.row = row
-            request.prefix_tokens_reused += row.table.num_tokens
+            request.prefix_tokens_reused += row.num_tokens
             request.status = RequestStatus.RUNNING
             admitted.append(request)
         self.running.extend(admitted)
@@ -144,14 +151,20 @@ class Scheduler:
 
     def _new_row(self, tokens: list[int]) -> Row:
         if self.root is None:
-            return Row(self.allocator.new_table(), tokens=None)
-        return Row.from_prefix_cache(self.allocator, self.root, tokens)
+            return Row.empty(self.allocator, len(self.windows), track_tokens=False)
+        roots = group_roots(self.root, len(self.windows))
+        return Row.from_prefix_cache(self.allocator, roots, self.windows, tokens)
+
+    def _decode_appends(self) -> list:
+        return [append for request in self.running for append in request.row.appends(1)]
 
     # ------------------------------------------------------------------ decode and preemption
     def _make_room_for_decode(self, failed: list[Request]) -> None:
         allocator = self.allocator
+        for request in self.running:  # what the cache would release before the forward, released now
+            request.row.release_behind(allocator, self.windows)
         while self.running:
-            needed = allocator.num_blocks_needed_for([(r.row.table, 1) for r in self.running])
+            needed = allocator.num_blocks_needed_for(self._decode_appends())
             if needed <= allocator.num_free:
                 return
             victim = self.running[-1]
@@ -159,7 +172,7 @@ class Scheduler:
                 self.finish(
                     victim,
                     "error",
-                    f"the request holds {len(victim.row.table.live_block_ids)} blocks and needs {needed} more, but the "
+                    f"the request holds {len(victim.row.live_block_ids)} blocks and needs {needed} more, but the "
                     f"pool has {allocator.num_blocks} blocks in all",
                 )
                 failed.append(victim)
@@ -177,5 +190,5 @@ class Scheduler:
 
     def _drop_row(self, request: Request) -> None:
         if request.row is not None:
-            self.allocator.free(request.row.table)
+            request.row.free(self.allocator)
             request.row = None

@@ -103,7 +103,8 @@ def pool_snapshot(source, tables=None) -> PoolSnapshot:
 
     Args:
         source (`BlockAllocator`, `BlockPool` or `PagedCache`): the pool to read. A `PagedCache` also gives its rows
-            (labelled `row 0`, `row 1`, ...) when `tables` is `None`.
+            (labelled `row 0`, `row 1`, ..., or `row 0 group 1` ... when a hybrid model's rows hold a table per layer
+            group) when `tables` is `None`.
         tables (`Sequence[BlockTable]` or `Mapping[str, BlockTable]`, *optional*): the sequences to show, labelled
             `seq 0`, `seq 1`, ... or by the mapping's keys. Used blocks that no shown table names are drawn as held
             by other tables.
@@ -159,7 +160,14 @@ def _resolve_source(source) -> tuple[BlockAllocator, list[BlockTable], str]:
     from ..cache import PagedCache
 
     if isinstance(source, PagedCache):
-        return source.pool.allocator, source.row_tables, "row"
+        if source.layout.num_groups == 1:
+            return source.pool.allocator, source.row_tables, "row"
+        tables = {
+            f"row {row} group {group}": table
+            for group, group_tables in enumerate(source.group_tables)
+            for row, table in enumerate(group_tables)
+        }
+        return source.pool.allocator, tables, "row"
     if isinstance(source, BlockPool):
         return source.allocator, [], "seq"
     if isinstance(source, BlockAllocator):

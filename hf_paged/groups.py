@@ -1,0 +1,127 @@
+"""Layer groups: which decoder layers share one block table per row, and where each layer's K/V sits in a block."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .support import layer_kinds
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """Decoder layers whose K/V follow one block table per row.
+
+    Attributes:
+        layers (`tuple[int, ...]`): the layers, in model order.
+        window (`int | None`): the widest sliding window of those layers (`None`: full attention). A row gives back
+            its blocks behind the window of a sliding group during generation.
+    """
+
+    layers: tuple[int, ...]
+    window: int | None
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """How a model's decoder layers map onto the pool's blocks.
+
+    A model whose layers all attend alike (all full, or all sliding) has one group: a block holds K and V of its
+    tokens for every layer, and one table per row addresses them. A hybrid model (full and sliding-window layers,
+    e.g. Gemma2/3) splits its layers into groups of one kind each, every group `slots_per_block` layers wide, with
+    a block table per group per row: the blocks of a sliding group fall out of its window and go back to the pool
+    while the full groups keep theirs. All groups draw from the same pool; a block holds `slots_per_block` layers
+    of K/V for the group that owns it (layer `l` uses slot `slot_of[l]`), so memory moves freely between groups.
+    Groups are `min(number of full layers, number of sliding layers)` wide; the last group of a kind may be
+    narrower (its blocks leave the unused slots empty). Full groups come first.
+
+    Attributes:
+        groups (`tuple[LayerGroup, ...]`): the groups; a row holds one table per group, in this order.
+        slots_per_block (`int`): layers of K/V one block holds.
+        group_of (`tuple[int, ...]`): the group of every layer.
+        slot_of (`tuple[int, ...]`): the slot of every layer inside its group's blocks.
+
+    Example:
+
+    ```python
+    >>> layout = KVLayout.for_windows([6, 6, None, 6, 6, None])  # Gemma3-style: two sliding layers, one full
+    >>> [(group.layers, group.window) for group in layout.groups], layout.slots_per_block
+    ([((2, 5), None), ((0, 1), 6), ((3, 4), 6)], 2)
+    >>> layout.group_of, layout.slot_of
+    ((1, 1, 0, 2, 2, 0), (0, 1, 0, 0, 1, 1))
+    >>> KVLayout.for_windows([None, None]).groups
+    (LayerGroup(layers=(0, 1), window=None),)
+
+    ```
+    """
+
+    groups: tuple[LayerGroup, ...]
+    slots_per_block: int
+    group_of: tuple[int, ...]
+    slot_of: tuple[int, ...]
+
+    @classmethod
+    def for_windows(cls, windows: list[int | None], split: bool = True) -> KVLayout:
+        """The layout for layers with these sliding windows (`None`: full attention); `split=False` keeps one group
+        (every block holds every layer; blocks of a hybrid model are then never released)."""
+        full = tuple(i for i, window in enumerate(windows) if window is None)
+        sliding = tuple(i for i, window in enumerate(windows) if window is not None)
+        widest = max((windows[i] for i in sliding), default=None)
+        if not full or not sliding:
+            return cls._of((LayerGroup(tuple(range(len(windows))), None if full else widest),), len(windows))
+        if not split:
+            return cls._of((LayerGroup(tuple(range(len(windows))), None),), len(windows))
+        width = min(len(full), len(sliding))
+        groups = [LayerGroup(full[i : i + width], None) for i in range(0, len(full), width)]
+        groups += [LayerGroup(sliding[i : i + width], widest) for i in range(0, len(sliding), width)]
+        return cls._of(tuple(groups), width)
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module) -> KVLayout:
+        """The layout of `model`'s decoder layers. A hybrid model whose layers run on several devices keeps one group
+        (a block's slots live in one tensor, which cannot sit on two devices)."""
+        text_config = model.config.get_text_config(decoder=True)
+        window = getattr(text_config, "sliding_window", None)
+        windows = [window if kind == "sliding_attention" else None for kind in layer_kinds(text_config)]
+        devices = _execution_devices(model)
+        split = len(devices) <= 1
+        if not split and None in windows and any(w is not None for w in windows):
+            logger.info(
+                "hf_paged: %s runs on %s; its sliding-window layers keep every block (one block table per row)",
+                type(model).__name__,
+                sorted(devices),
+            )
+        return cls.for_windows(windows, split=split)
+
+    @classmethod
+    def _of(cls, groups: tuple[LayerGroup, ...], slots_per_block: int) -> KVLayout:
+        num_layers = sum(len(group.layers) for group in groups)
+        group_of, slot_of = [0] * num_layers, [0] * num_layers
+        for index, group in enumerate(groups):
+            for slot, layer in enumerate(group.layers):
+                group_of[layer], slot_of[layer] = index, slot
+        return cls(groups, slots_per_block, tuple(group_of), tuple(slot_of))
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def windows(self) -> list[int | None]:
+        """The release window of every group (`None`: its blocks are kept)."""
+        return [group.window for group in self.groups]
+
+
+def _execution_devices(model: torch.nn.Module) -> set[str]:
+    """Devices the model's layers compute on, from accelerate's `hf_device_map` (offloaded layers compute on the
+    CPU); empty for a model that was not dispatched."""
+    device_map = getattr(model, "hf_device_map", None) or {}
+    devices = set()
+    for device in device_map.values():
+        name = str(device)
+        devices.add("cpu" if name in ("cpu", "disk") else name)
+    return devices
