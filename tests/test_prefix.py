@@ -58,6 +58,88 @@ def test_freed_cached_blocks_stay_cached_and_are_found_again():
     allocator.check_invariants()
 
 
+def test_lookup_blocks_finds_each_link_on_its_own_without_counting_a_query():
+    allocator = BlockAllocator(num_blocks=6, block_size=2)
+    table = cached_table(allocator, [5, 6, 7, 8, 9, 10])  # blocks 0, 1, 2 cached
+    allocator.free(table)
+    hog = allocator.new_table()
+    allocator.append(hog, 3 * 2 + 2)  # 3 plain free blocks, then the LRU evictable one: block 2 (the tail)
+    links = chain(ROOT, [5, 6, 7, 8, 9, 10], 2)
+    assert allocator.lookup_blocks(links) == [0, 1, None]
+    assert allocator.lookup_blocks([links[1], (links[0][0], (5, 0))]) == [1, None]  # verified token by token
+    assert allocator.stats().prefix_queries == 0
+    allocator.record_prefix_query(4)
+    assert (allocator.stats().prefix_queries, allocator.stats().prefix_hits) == (1, 4)
+    allocator.free(hog)
+    allocator.check_invariants()
+
+
+def test_share_cached_may_start_a_table_without_its_leading_blocks():
+    allocator = BlockAllocator(num_blocks=6, block_size=2)
+    allocator.free(cached_table(allocator, [5, 6, 7, 8, 9, 10]))
+    table = allocator.new_table()
+    allocator.share_cached(table, [None, None, 2])  # a sliding window that reads only tokens 4-5
+    assert table.block_ids == [None, None, 2] and table.num_tokens == 6 and table.num_released == 2
+    assert [allocator.ref_count(b) for b in range(3)] == [0, 0, 1] and allocator.evictable_block_ids == [1, 0]
+    allocator.check_invariants()
+    with pytest.raises(ValueError, match="leading run"):
+        allocator.share_cached(table, [None])
+    other = allocator.new_table()
+    with pytest.raises(ValueError, match="leading run"):
+        allocator.share_cached(other, [1, None])
+    assert table.block_ids == [None, None, 2] and other.block_ids == [] and allocator.ref_count(1) == 0  # unchanged
+    allocator.free(table)
+    allocator.free(other)
+    allocator.check_invariants()
+
+
+def two_group_allocator(tokens: list[int]) -> BlockAllocator:
+    """An allocator of blocks of 2 whose prefix index holds `tokens` in two layer groups: group 0 in blocks 0, 1,
+    ..., group 1 in the next ones, all evictable, group 1's tail the least recently used."""
+    allocator = BlockAllocator(num_blocks=12, block_size=2)
+    row = hf_paged.rows.Row.empty(allocator, num_groups=2)
+    allocator.append_all(row.appends(len(tokens)))
+    row.record(tokens)
+    row.cache_full_blocks(allocator, hf_paged.prefix.group_roots(ROOT, 2))
+    allocator.free(row.tables[1])
+    allocator.free(row.tables[0])
+    return allocator
+
+
+def test_a_row_of_a_sliding_group_takes_only_the_window_of_a_cached_prefix():
+    tokens = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    roots = hf_paged.prefix.group_roots(ROOT, 2)
+    allocator = two_group_allocator(tokens[:8])
+    assert allocator.evictable_block_ids == [7, 6, 5, 4, 3, 2, 1, 0]
+    # group 0 full attention, group 1 a window of 3: the next token (position 8) reads positions 6-8 only
+    row = hf_paged.rows.Row.from_prefix_cache(allocator, roots, [None, 3], tokens)
+    assert [t.block_ids for t in row.tables] == [[0, 1, 2, 3], [None, None, None, 7]]
+    assert row.num_tokens == 8 and row.tokens == tokens[:8] and [len(h) for h in row.hashes] == [4, 4]
+    assert (allocator.stats().prefix_queries, allocator.stats().prefix_hits) == (1, 8)
+    row.free(allocator)
+    allocator.check_invariants()
+
+
+def test_a_sliding_group_missing_its_last_cached_block_shortens_the_hit():
+    tokens = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    roots = hf_paged.prefix.group_roots(ROOT, 2)
+    allocator = two_group_allocator(tokens[:8])
+    hog = allocator.new_table()
+    allocator.append(hog, 2 * (allocator.num_free - len(allocator.evictable_block_ids) + 1))  # evicts block 7
+    assert allocator.evictable_block_ids == [6, 5, 4, 3, 2, 1, 0]
+    # 8 tokens would need group 1's block 3 (gone); 6 tokens need only its block 2 (positions 4-5)
+    row = hf_paged.rows.Row.from_prefix_cache(allocator, roots, [None, 3], tokens)
+    assert [t.block_ids for t in row.tables] == [[0, 1, 2], [None, None, 6]] and row.num_tokens == 6
+    assert allocator.stats().prefix_hits == 6
+    row.free(allocator)
+    # were group 1 full attention, it would need every block from its head: blocks 4-6 are there, 6 tokens again
+    row = hf_paged.rows.Row.from_prefix_cache(allocator, roots, [None, None], tokens)
+    assert [t.block_ids for t in row.tables] == [[0, 1, 2], [4, 5, 6]]
+    row.free(allocator)
+    allocator.free(hog)
+    allocator.check_invariants()
+
+
 def test_eviction_takes_plain_free_blocks_first_then_lru_tail_before_head():
     allocator = BlockAllocator(num_blocks=5, block_size=2)
     older = cached_table(allocator, [1, 2, 3, 4])  # blocks 0, 1
