@@ -252,6 +252,19 @@ def test_engine_on_a_hybrid_matches_generate_alone_and_holds_the_window(gemma2):
     engine.pool.check_invariants()
 
 
+def test_engine_on_a_hybrid_reuses_a_long_shared_prefix(gemma3):
+    system = prompt(100, seed=20)[0].tolist()
+    first, second = system + [5, 6, 7], system + [9, 10]
+    engine = Engine(gemma3, block_size=BLOCK_SIZE, num_blocks=256)
+    engine.generate([first], max_new_tokens=40, do_sample=False)
+    (output,) = engine.generate([second], max_new_tokens=40, do_sample=False)
+    alone = gemma3.generate(torch.tensor([second]), max_new_tokens=40, do_sample=False)[0, len(second) :]
+    assert output.token_ids == alone.tolist()
+    assert output.prefix_tokens_reused == 96  # 12 full blocks of the 100-token system prompt
+    assert engine.pool.stats().num_used == 0
+    engine.pool.check_invariants()
+
+
 def test_snapshot_of_a_hybrid_cache_labels_every_group(gemma2):
     cache = PagedCache(gemma2, block_size=BLOCK_SIZE, num_blocks=64)
     gemma2.generate(prompt(12), past_key_values=cache, max_new_tokens=2, do_sample=False)
