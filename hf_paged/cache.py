@@ -31,7 +31,8 @@ class CacheStats:
         seq_length (`int`): padded length of every row.
         num_blocks (`int`): distinct blocks the rows hold now.
         peak_blocks (`int`): most distinct blocks held at once since the cache was created.
-        tokens_stored (`int`): tokens in those blocks (a block shared by 4 rows counts its tokens once).
+        tokens_stored (`int`): tokens in those blocks (a block shared by 4 rows counts its tokens once; in a hybrid
+            model's layer groups a token counts once per group whose blocks hold it).
         cow_copies (`int`): blocks copied because a row wrote into a shared block.
         prefix_tokens_reused (`int`): prompt tokens taken from the prefix cache instead of being computed.
         block_size (`int`): tokens per block.
