@@ -82,18 +82,22 @@ class KVLayout:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> KVLayout:
-        """The layout of `model`'s decoder layers. A hybrid model whose layers run on several devices keeps one group
-        (a block's slots live in one tensor, which cannot sit on two devices)."""
+        """The layout of `model`'s decoder layers. A hybrid model keeps one group (its sliding layers keep every
+        block) when its layers run on several devices, or when its layers differ in KV heads or head size (e.g.
+        Gemma4's wider full-attention layers): a slot is one tensor, on one device, of one shape."""
         text_config = model.config.get_text_config(decoder=True)
         window = getattr(text_config, "sliding_window", None)
         windows = [window if kind == "sliding_attention" else None for kind in layer_kinds(text_config)]
         devices = _execution_devices(model)
-        split = len(devices) <= 1
+        shapes = set(layer_kv_shapes(text_config))
+        split = len(devices) <= 1 and len(shapes) == 1
         if not split and None in windows and any(w is not None for w in windows):
             logger.info(
-                "hf_paged: %s runs on %s; its sliding-window layers keep every block (one block table per row)",
+                "hf_paged: %s runs on %s with KV shapes %s; its sliding-window layers keep every block (one block "
+                "table per row)",
                 type(model).__name__,
-                sorted(devices),
+                sorted(devices) or "one device",
+                sorted(shapes),
             )
         return cls.for_windows(windows, split=split)
 
@@ -114,6 +118,32 @@ class KVLayout:
     def windows(self) -> list[int | None]:
         """The release window of every group (`None`: its blocks are kept)."""
         return [group.window for group in self.groups]
+
+
+def layer_kv_shapes(text_config) -> list[tuple[int, int]]:
+    """`(num_kv_heads, head_dim)` of every decoder layer; a heterogeneous config (transformers' `per_layer_config`,
+    e.g. Gemma4's full-attention layers) sets them layer by layer.
+
+    Example:
+
+    ```python
+    >>> from transformers import LlamaConfig
+    >>> layer_kv_shapes(LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    [(2, 16), (2, 16)]
+
+    ```
+    """
+    if getattr(text_config, "is_heterogeneous", False):
+        configs = list(text_config.per_layer_config)
+    else:
+        configs = [text_config] * text_config.num_hidden_layers
+    shapes = []
+    for config in configs:
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        shapes.append((num_kv_heads, head_dim))
+    return shapes
 
 
 def _execution_devices(model: torch.nn.Module) -> set[str]:

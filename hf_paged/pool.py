@@ -12,7 +12,7 @@ import torch
 
 from .allocator import AllocatorStats, BlockAllocator
 from .config import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_FRACTION, DEFAULT_MAX_BLOCKS, PagedCacheConfig
-from .groups import KVLayout
+from .groups import KVLayout, layer_kv_shapes
 from .storage import KVStorage
 
 logger = logging.getLogger(__name__)
@@ -20,38 +20,53 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class KVShape:
-    """What one token costs in the KV cache of a model."""
+    """What one token costs in the KV cache of a model.
+
+    Attributes:
+        num_layers (`int`): decoder layers.
+        num_kv_heads, head_dim (`int`): of every layer (of the first, when `layer_kv` lists them layer by layer).
+        dtype (`torch.dtype`): of the K/V.
+        layers_per_block (`int`, *optional*): layer slots of one block, fewer than `num_layers` when a hybrid
+            model's layers are split into layer groups (see `KVLayout`).
+        layer_kv (`tuple[tuple[int, int], ...]`, *optional*): `(num_kv_heads, head_dim)` of every layer, for models
+            whose layers differ.
+    """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
-    layers_per_block: int | None = None  # layer slots of one block (fewer than num_layers in hybrid layouts)
+    layers_per_block: int | None = None
+    layer_kv: tuple[tuple[int, int], ...] | None = None
 
     @property
     def bytes_per_token(self) -> int:
         """2 (K and V) x layers x KV heads x head dim x dtype bytes: one token of the model's KV."""
-        return self._bytes(self.num_layers)
+        if self.layer_kv is not None:
+            return sum(2 * heads * dim for heads, dim in self.layer_kv) * self._dtype_bytes
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self._dtype_bytes
 
     @property
     def bytes_per_block_token(self) -> int:
         """What one token slot of a block costs: `bytes_per_token`, or its share of the layers when blocks hold
-        `layers_per_block` layers (a hybrid model's layer groups)."""
-        return self._bytes(self.layers_per_block or self.num_layers)
+        `layers_per_block` layers (a hybrid model's layer groups, whose layers all have one KV shape)."""
+        if self.layers_per_block is None:
+            return self.bytes_per_token
+        return 2 * self.layers_per_block * self.num_kv_heads * self.head_dim * self._dtype_bytes
 
-    def _bytes(self, num_layers: int) -> int:
-        return 2 * num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+    @property
+    def _dtype_bytes(self) -> int:
+        return torch.finfo(self.dtype).bits // 8
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, layers_per_block: int | None = None) -> KVShape:
         config = model.config.get_text_config(decoder=True)
-        num_heads = config.num_attention_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        shapes = layer_kv_shapes(config)
         dtype = next(model.parameters()).dtype
         if not dtype.is_floating_point:
             dtype = torch.get_default_dtype()
-        return cls(config.num_hidden_layers, num_kv_heads, head_dim, dtype, layers_per_block)
+        layer_kv = tuple(shapes) if len(set(shapes)) > 1 else None
+        return cls(len(shapes), *shapes[0], dtype, layers_per_block, layer_kv)
 
 
 class BlockPool:

@@ -62,6 +62,20 @@ TINY_FAMILIES = {
             "query_pre_attn_scalar": 16,
         },
     ),
+    "gemma4": (
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        {  # sliding / full layers of different KV shapes (full: head dim 32, one KV head for keys and values)
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 3,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+            "head_dim": 16,
+            "global_head_dim": 32,
+            "num_global_key_value_heads": 1,
+            "attention_k_eq_v": True,
+            "sliding_window": 6,
+        },
+    ),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", _LLAMA_LIKE),  # fused qkv projection
     "gpt2": (  # learned absolute positions, multi-head attention, Conv1D projections
         "GPT2Config",

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hf_paged import KVLayout, LayerGroup, PagedCache, get_pool
+from hf_paged.groups import layer_kv_shapes
 from hf_paged.pool import KVShape
 from hf_paged.reference_models import tiny_model
 
@@ -80,3 +81,13 @@ def test_hybrid_pool_blocks_hold_one_group_of_layers(gemma2):
     assert sorted(pool.storage.keys) == [0]  # both layers' K/V live in slot 0 of their group's blocks
     assert pool.storage.keys[0].shape == (128, BLOCK_SIZE, 2, 16)
     cache.release()
+
+
+def test_a_hybrid_whose_layers_differ_in_kv_shape_keeps_one_group():
+    model = tiny_model("gemma4")  # sliding layers 2 KV heads x 16, the full layer 1 x 32
+    assert layer_kv_shapes(model.config) == [(2, 16), (2, 16), (1, 32)]
+    assert KVLayout.for_model(model).num_groups == 1
+    shape = KVShape.from_model(model)
+    assert shape.layer_kv == ((2, 16), (2, 16), (1, 32))
+    assert shape.bytes_per_token == shape.bytes_per_block_token == 2 * (32 + 32 + 32) * 4
+    assert KVShape.from_model(tiny_model("gemma3")).layer_kv is None  # every layer alike

@@ -31,6 +31,7 @@ CASES = {
     "gemma": ("gemma", {}),
     "gemma2": ("gemma2", {}),
     "gemma3": ("gemma3", {}),
+    "gemma4": ("gemma4", {}),
     "phi3": ("phi3", {}),
     "gpt2": ("gpt2", {}),
     "opt": ("opt", {}),
