@@ -379,6 +379,12 @@ def test_kv_sharing_gemma3n_is_refused():
     assert_refused(model, "Gemma3nForCausalLM shares K/V between layers")
 
 
+def test_kv_sharing_gemma4_is_refused():
+    layer_types = ["sliding_attention", "full_attention"] * 2
+    model = tiny_model("gemma4", num_hidden_layers=4, layer_types=layer_types, num_kv_shared_layers=2)
+    assert_refused(model, "Gemma4ForCausalLM shares K/V between layers")
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_engine_matches_generate_alone(models, case):
     """The continuous-batching Engine (rows of different lengths in one forward) on every family."""
