@@ -71,25 +71,26 @@ class Row:
         size = allocator.block_size
         usable = (len(tokens) - 1) // size * size
         links = [chain(root, tokens[:usable], size) for root in roots]
-        found = [allocator.lookup_blocks(group_links) for group_links in links]
-        num_blocks = usable // size
-        for group_found, window in zip(found, windows):
-            if window is None:
-                num_blocks = min(num_blocks, (group_found + [None]).index(None))
-        while num_blocks and any(
-            None in group_found[dead_tokens(num_blocks * size, window) // size : num_blocks]
-            for group_found, window in zip(found, windows)
-            if window is not None
-        ):
-            num_blocks -= 1
-        allocator.record_prefix_query(num_blocks * size)
-        row = cls.empty(allocator, len(roots))
-        row.tokens = list(tokens[: num_blocks * size])
-        for index, (table, group_found, window) in enumerate(zip(row.tables, found, windows)):
-            skipped = dead_tokens(num_blocks * size, window) // size
-            allocator.share_cached(table, [None] * skipped + group_found[skipped:num_blocks])
-            row.hashes[index] = [h for h, _ in links[index][:num_blocks]]
-        return row
+        with allocator.lock:  # no eviction between the lookup and the sharing
+            found = [allocator.lookup_blocks(group_links) for group_links in links]
+            num_blocks = usable // size
+            for group_found, window in zip(found, windows):
+                if window is None:
+                    num_blocks = min(num_blocks, (group_found + [None]).index(None))
+            while num_blocks and any(
+                None in group_found[dead_tokens(num_blocks * size, window) // size : num_blocks]
+                for group_found, window in zip(found, windows)
+                if window is not None
+            ):
+                num_blocks -= 1
+            allocator.record_prefix_query(num_blocks * size)
+            row = cls.empty(allocator, len(roots))
+            row.tokens = list(tokens[: num_blocks * size])
+            for index, (table, group_found, window) in enumerate(zip(row.tables, found, windows)):
+                skipped = dead_tokens(num_blocks * size, window) // size
+                allocator.share_cached(table, [None] * skipped + group_found[skipped:num_blocks])
+                row.hashes[index] = [h for h, _ in links[index][:num_blocks]]
+            return row
 
     @property
     def table(self) -> BlockTable:
