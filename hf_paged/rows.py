@@ -145,6 +145,15 @@ class Row:
         if self.tokens is not None:
             del self.tokens[kept:]
 
+    def blocks_behind(self, windows: list[int | None], block_size: int) -> list[int]:
+        """The blocks `release_behind` would give back now."""
+        return [
+            block_id
+            for table, window in zip(self.tables, windows)
+            if window is not None
+            for block_id in table.block_ids[table.num_released : dead_tokens(table.num_tokens, window) // block_size]
+        ]
+
     def release_behind(self, allocator: BlockAllocator, windows: list[int | None]) -> int:
         """Give back, in every sliding group, the leading blocks its window (`windows[group]`) no longer reads
         before the next token; returns how many blocks were released."""

@@ -182,6 +182,18 @@ def test_engine_matches_generate_alone_and_holds_the_window(mistral):
     assert engine.pool.stats().num_used == 0
 
 
+def test_engine_counts_the_blocks_a_sliding_window_gives_back_as_free():
+    # window 33, blocks of 8: every 8th step the forward gives back a block and takes one. Before it the row holds
+    # 5 blocks; a pool of 5 has no free block then, and counting only free blocks the request would fail
+    model = tiny_model("mistral", sliding_window=33, max_position_embeddings=1024)
+    request = prompt(5, seed=30)[0].tolist()
+    alone = model.generate(torch.tensor([request]), max_new_tokens=150, min_new_tokens=150, do_sample=False)
+    engine = Engine(model, block_size=BLOCK_SIZE, num_blocks=5)
+    (output,) = engine.generate([request], max_new_tokens=150, min_new_tokens=150, do_sample=False)
+    assert output.finish_reason == "length" and output.token_ids == alone[0, 5:].tolist()
+    assert engine.stats().preemptions == 0 and engine.pool.stats().num_used == 0
+
+
 def test_crop_before_released_blocks_is_refused_and_a_new_prompt_recomputes(mistral):
     cache = PagedCache(mistral, block_size=BLOCK_SIZE, num_blocks=16)
     first = mistral.generate(prompt(20), past_key_values=cache, max_new_tokens=60, do_sample=False)

@@ -4,7 +4,7 @@ allocator; it never touches tensors."""
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from ..allocator import BlockAllocator
@@ -42,7 +42,7 @@ class Scheduler:
             is always admitted alone.
         windows (`list[int | None]`, *optional*): the release window of every layer group of the cache the rows
             serve (`PagedCache.release_windows`; default one full-attention group): a row holds a table per group,
-            and sliding groups give back the blocks behind their window before each decode step.
+            and the blocks the cache gives back behind sliding windows before a decode step count as free for it.
 
     Example:
 
@@ -161,11 +161,9 @@ class Scheduler:
     # ------------------------------------------------------------------ decode and preemption
     def _make_room_for_decode(self, failed: list[Request]) -> None:
         allocator = self.allocator
-        for request in self.running:  # what the cache would release before the forward, released now
-            request.row.release_behind(allocator, self.windows)
         while self.running:
             needed = allocator.num_blocks_needed_for(self._decode_appends())
-            if needed <= allocator.num_free:
+            if needed <= allocator.num_free + self._num_freed_by_release():
                 return
             victim = self.running[-1]
             if len(self.running) == 1:
@@ -178,6 +176,18 @@ class Scheduler:
                 failed.append(victim)
                 return
             self._preempt(victim)
+
+    def _num_freed_by_release(self) -> int:
+        """Blocks that become free when the cache gives back the running rows' blocks behind their sliding windows
+        at the start of the next forward (a block shared by several rows only when all of them give it back)."""
+        if all(window is None for window in self.windows):
+            return 0
+        behind = Counter(
+            block_id
+            for request in self.running
+            for block_id in request.row.blocks_behind(self.windows, self.allocator.block_size)
+        )
+        return sum(1 for block_id, count in behind.items() if self.allocator.ref_count(block_id) == count)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
