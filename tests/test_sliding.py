@@ -274,6 +274,27 @@ def test_a_long_shared_prefix_is_reused_the_sliding_groups_keep_only_its_window(
     again.pool.check_invariants()
 
 
+def test_batch_rows_with_different_cached_prefixes_share_the_shorter_one(gemma2):
+    system = prompt(96, seed=11)
+    cache = PagedCache(gemma2, block_size=BLOCK_SIZE, num_blocks=512)  # the pool of run_both
+    gemma2.generate(torch.cat([system, prompt(4, seed=12)], dim=1), past_key_values=cache, max_new_tokens=1)
+    cache.release()
+    # row 0 finds 96 cached tokens, row 1 only 40: both start from 40, and row 0's sliding table must then hold
+    # the window of token 40, not of token 96
+    batch = torch.cat(
+        [torch.cat([system, prompt(6, seed=13)], dim=1), torch.cat([system[:, :40], prompt(62, seed=14)], dim=1)]
+    )
+    again = PagedCache(gemma2, block_size=BLOCK_SIZE, num_blocks=512)
+    assert again.start_from_prompt(batch) == 40
+    sliding = again.group_tables[1]  # the window of token 40 starts in block 1
+    assert sliding[0].block_ids[0] is None and sliding[0].block_ids == sliding[1].block_ids
+    assert None not in sliding[0].block_ids[1:] and len(sliding[0].block_ids) == 5
+    again.release()
+    reference, paged, _ = run_both(gemma2, batch, max_new_tokens=60, min_new_tokens=60)
+    assert torch.equal(reference.sequences, paged.sequences) and logits_gap(reference, paged) <= TOLERANCE
+    assert get_pool(gemma2).last_cache_stats.prefix_tokens_reused == 2 * 40
+
+
 def test_a_prefix_whose_head_was_evicted_is_still_a_hit_for_the_sliding_groups(gemma3):
     # Gemma3's layout: the full layer in group 0, each sliding layer in a group of its own
     cache = PagedCache(gemma3, block_size=BLOCK_SIZE, num_blocks=256)
