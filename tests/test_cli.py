@@ -18,6 +18,12 @@ def test_serve_defaults_to_loopback():
     )
 
 
+def test_engine_limits_are_options():
+    args = build_parser().parse_args(["serve", "m", "--max-batch-size", "8", "--max-prefill-tokens", "512"])
+    assert (args.max_batch_size, args.max_prefill_tokens) == (8, 512)
+    assert build_parser().parse_args(["serve", "m"]).max_prefill_tokens == 4096
+
+
 def test_num_blocks_and_max_memory_are_exclusive(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "m", "--num-blocks", "8", "--max-memory", "1GiB"])

@@ -70,6 +70,39 @@ def test_greedy_matches_generate_alone(model, workload, num_blocks):
         assert stats.preemptions == 0 and stats.prefill_steps == 1
 
 
+@pytest.mark.parametrize("max_prefill_tokens", [7, 16])
+def test_chunked_prefill_matches_generate_alone(model, workload, max_prefill_tokens):
+    # prompts of up to 40 tokens in chunks of 7 or 16, among requests that keep decoding; sampled requests too
+    prompts, news, expected = workload
+    options = {"block_size": 4, "num_blocks": 512, "prefix_caching": False}  # every prompt token is computed
+    engine = Engine(model, max_prefill_tokens=max_prefill_tokens, **options)
+    ids = [engine.add_request(p, max_new_tokens=n, min_new_tokens=n) for p, n in zip(prompts[:24], news)]
+    sampled = engine.add_request(prompts[0], max_new_tokens=10, do_sample=True, top_k=20, seed=5)
+    finals = drive(engine)
+    assert [finals[i].token_ids for i in ids] == expected[:24]
+    [solo] = Engine(model, **options).generate([prompts[0]], max_new_tokens=10, do_sample=True, top_k=20, seed=5)
+    assert finals[sampled].token_ids == solo.token_ids
+    stats = engine.stats()
+    chunks = sum(-(-len(p) // max_prefill_tokens) for p in prompts[:24] if len(p) > max_prefill_tokens)
+    assert stats.prefill_steps >= chunks and stats.generated_tokens == sum(news[:24]) + 10
+    assert engine.pool.stats().num_used == 0
+
+
+def test_chunks_of_a_long_prompt_alternate_with_decode_steps(model):
+    engine = Engine(model, block_size=4, num_blocks=256, max_prefill_tokens=8)
+    short = engine.add_request([5, 6, 7], max_new_tokens=30)
+    engine.step()  # short is prefilled and decodes from now on
+    engine.add_request(list(range(3, 43)), max_new_tokens=4)  # 40 tokens: 5 chunks of 8
+    kinds = []
+    while engine.has_unfinished_requests():
+        step_before = engine.stats().prefill_steps
+        outputs = engine.step()
+        kinds.append("prefill" if engine.stats().prefill_steps > step_before else "decode")
+        assert all(o.request_id == short or o.token_ids for o in outputs)  # a chunk short of the end reports nothing
+    assert kinds[:10] == ["prefill", "decode"] * 5  # chunks alternate with the short request's decode steps
+    assert engine.pool.stats().num_used == 0
+
+
 class UnmaskedEngine(Engine):
     """Negative control: lets every row attend to its left pads."""
 

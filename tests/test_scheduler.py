@@ -17,12 +17,15 @@ def request(name: str, prompt_length: int, max_new_tokens: int = 100) -> Request
 
 
 def run(scheduler: Scheduler, step) -> None:
-    """What the engine does with a step: store the tokens, generate one more."""
+    """What the engine does with a step: store the tokens, generate one more when they reach the end of the
+    request's tokens (not after a prompt chunk short of it)."""
     for req, count in zip(step.requests, step.new_tokens):
-        scheduler.allocator.append(req.row.table, count)
+        start = req.row.num_tokens
+        scheduler.allocator.append_all(req.row.appends(count))
         if req.row.tokens is not None:
-            req.row.record(req.token_ids[-count:])
-        req.append_token(7)
+            req.row.record(req.token_ids[start : start + count])
+        if req.row.num_tokens == len(req.token_ids):
+            req.append_token(7)
     if scheduler.root is not None:
         for req in step.requests:
             req.row.cache_full_blocks(scheduler.allocator, [scheduler.root])
@@ -104,13 +107,68 @@ def test_batch_size_and_prefill_budget_limit_admission():
     for name, length in (("a", 25), ("b", 2), ("c", 2), ("d", 2), ("e", 2)):
         scheduler.add(request(name, length))
     step, _ = scheduler.schedule()
-    assert names(step.requests) == ["a"]  # alone it exceeds the budget, but a request is always admitted
+    assert names(step.requests) == ["a"] and step.new_tokens == [20]  # alone, in chunks of the budget
     run(scheduler, step)
+    step, _ = scheduler.schedule()
+    assert names(step.requests) == ["a"] and step.new_tokens == [5] and step.admitted == ()  # its last chunk
+    run(scheduler, step)
+    assert a_done(scheduler)
     step, _ = scheduler.schedule()
     assert names(step.requests) == ["b", "c"]  # the batch is full at 3 running
     run(scheduler, step)
     step, _ = scheduler.schedule()
     assert step.kind == "decode" and names(scheduler.waiting) == ["d", "e"]
+
+
+def a_done(scheduler: Scheduler) -> bool:
+    first = scheduler.running[0]
+    return first.output_token_ids == [7] and first.row.num_tokens == 25
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps():
+    allocator = BlockAllocator(num_blocks=16, block_size=4)
+    scheduler = Scheduler(allocator, root=None, max_prefill_tokens=4)
+    short, long = request("short", 3), request("long", 10)
+    scheduler.add(short)
+    run(scheduler, scheduler.schedule()[0])
+    scheduler.add(long)
+    plan = []
+    for _ in range(6):
+        step, failed = scheduler.schedule()
+        assert not failed
+        plan.append((step.kind, names(step.requests), step.new_tokens))
+        run(scheduler, step)
+    assert plan == [
+        ("prefill", ["long"], [4]),  # admitted alone: 10 tokens > the budget of 4
+        ("decode", ["short"], [1]),  # the running request decodes between chunks
+        ("prefill", ["long"], [4]),
+        ("decode", ["short"], [1]),
+        ("prefill", ["long"], [2]),  # the last chunk: "long" gets its first token
+        ("decode", ["short", "long"], [1, 1]),
+    ]
+    assert long.output_token_ids == [7, 7] and long.row.table.block_ids == [1, 2, 4] and allocator.num_free == 11
+
+
+def test_a_chunk_that_does_not_fit_preempts_its_request_until_it_does():
+    allocator = BlockAllocator(num_blocks=6, block_size=4)
+    scheduler = Scheduler(allocator, root=None, max_prefill_tokens=4)
+    short, long = request("short", 4, max_new_tokens=6), request("long", 12)
+    scheduler.add(short)
+    run(scheduler, scheduler.schedule()[0])  # short: 1 block
+    scheduler.add(long)
+    run(scheduler, scheduler.schedule()[0])  # long fits (3 blocks + short's next): first chunk
+    run(scheduler, scheduler.schedule()[0])  # short decodes into a second block
+    hog = allocator.new_table()
+    allocator.append(hog, 12)  # someone else takes the last 3 free blocks: long's next chunk cannot fit
+    step, _ = scheduler.schedule()
+    assert (step.kind, names(step.requests)) == ("decode", ["short"])
+    assert names(scheduler.waiting) == ["long"] and long.status is RequestStatus.WAITING and long.row is None
+    assert scheduler.num_preemptions == 1 and allocator.num_free == 1
+    run(scheduler, step)
+    allocator.free(hog)
+    step, _ = scheduler.schedule()  # readmitted, prefilled again from its first chunk
+    assert names(step.requests) == ["long"] and step.new_tokens == [4] and step.admitted == (long,)
+    allocator.check_invariants()
 
 
 def test_admission_reuses_cached_prefix_blocks():

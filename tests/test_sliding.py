@@ -194,6 +194,26 @@ def test_engine_counts_the_blocks_a_sliding_window_gives_back_as_free():
     assert engine.stats().preemptions == 0 and engine.pool.stats().num_used == 0
 
 
+def test_chunked_prefill_runs_a_prompt_far_larger_than_the_pool(mistral, gemma3):
+    # a 400-token prompt in chunks of 16: a sliding row holds its window and one chunk, 7 blocks of 8, at most
+    request = prompt(400, seed=31)[0].tolist()
+    alone = mistral.generate(torch.tensor([request]), max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    engine = Engine(mistral, block_size=BLOCK_SIZE, num_blocks=8, max_prefill_tokens=16)
+    assert engine.scheduler.blocks_to_run(400) == 7
+    with BlockMeter(mistral, engine.cache) as meter:
+        (output,) = engine.generate([request], max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    assert output.token_ids == alone[0, 400:].tolist() and max(meter.per_row) <= 7
+    assert engine.stats().prefill_steps == 25 and engine.pool.stats().num_used == 0
+    # a hybrid's full layers keep every block: 51 blocks for them, 7 for each sliding group
+    hybrid_engine = Engine(gemma3, block_size=BLOCK_SIZE, num_blocks=64, max_prefill_tokens=16)
+    assert hybrid_engine.scheduler.blocks_to_run(400) == 51 + 2 * 7
+    assert "needs 65 blocks of 8 tokens over its 3 layer groups" in hybrid_engine.scheduler.never_fits(400)
+    hybrid_engine = Engine(gemma3, block_size=BLOCK_SIZE, num_blocks=72, max_prefill_tokens=16)
+    (output,) = hybrid_engine.generate([request], max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    alone = gemma3.generate(torch.tensor([request]), max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    assert output.token_ids == alone[0, 400:].tolist() and hybrid_engine.pool.stats().num_used == 0
+
+
 def test_crop_before_released_blocks_is_refused_and_a_new_prompt_recomputes(mistral):
     cache = PagedCache(mistral, block_size=BLOCK_SIZE, num_blocks=16)
     first = mistral.generate(prompt(20), past_key_values=cache, max_new_tokens=60, do_sample=False)

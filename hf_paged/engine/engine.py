@@ -37,7 +37,8 @@ class Engine:
         model (`PreTrainedModel`): a decoder-only model; its global pool is used (`hf_paged.get_pool`).
         tokenizer (*optional*): needed for string prompts, `text` in outputs and stop strings.
         max_batch_size (`int`): most requests running at once.
-        max_prefill_tokens (`int`): most padded positions in one prefill forward.
+        max_prefill_tokens (`int`): most padded positions in one prefill forward; a longer prompt is prefilled in
+            chunks of this many tokens, between decode steps of the other requests.
         progress (`bool`, *optional*): tqdm bar in `generate`; by default only when stderr is a terminal.
         **cache_config: pool options (`block_size`, `num_blocks`, `max_memory`, `prefix_caching`, ...).
 
@@ -166,8 +167,7 @@ class Engine:
             step, failed = self.scheduler.schedule()
             changed += failed
             if step is not None:
-                self._run(step)
-                changed += step.requests
+                changed += self._run(step)
             self._last_step_time = time.perf_counter()
             outputs = []
             for request in dict.fromkeys(changed):
@@ -177,10 +177,15 @@ class Engine:
                     self._requests.pop(request.request_id, None)
             return outputs
 
-    def _run(self, step: Step) -> None:
+    def _run(self, step: Step) -> list[Request]:
+        """Run `step`; returns the requests that got a token (a prompt chunk short of the end gets none)."""
+        self._counters["admitted_tokens"] += sum(len(r.token_ids) for r in step.admitted)
+        self._counters["reused_tokens"] += sum(r.row.num_tokens for r in step.admitted)
         try:
             logits = self._forward(step)
-            tokens = next_tokens(step.requests, logits)
+            done = [i for i, r in enumerate(step.requests) if r.row.num_tokens == len(r.token_ids)]
+            sampled = [step.requests[i] for i in done]
+            tokens = next_tokens(sampled, logits[done]) if sampled else []
         except BaseException as error:
             for request in step.requests:
                 self.scheduler.finish(request, "error", f"{type(error).__name__}: {error}")
@@ -188,14 +193,12 @@ class Engine:
             raise
         self._counters["steps"] += 1
         self._counters[f"{step.kind}_steps"] += 1
-        if step.kind == "prefill":
-            self._counters["admitted_tokens"] += sum(len(r.token_ids) for r in step.requests)
-            self._counters["reused_tokens"] += sum(len(r.token_ids) - n for r, n in zip(step.requests, step.new_tokens))
-        for request, token in zip(step.requests, tokens):
+        for request, token in zip(sampled, tokens):
             request.append_token(token)
             reason = self._finish_reason(request, token)
             if reason is not None:
                 self.scheduler.finish(request, reason)
+        return sampled
 
     def _forward(self, step: Step) -> torch.Tensor:
         pads = self.cache.schedule([r.row for r in step.requests], step.new_tokens)
@@ -209,9 +212,11 @@ class Engine:
 
     def _forward_inputs(self, step: Step, pads: list[int], width: int, past_length: int) -> dict[str, torch.Tensor]:
         """`input_ids`, `attention_mask` and `position_ids` of the right-aligned layout `PagedCache.schedule` chose:
-        row `i` has `pads[i]` left pads and computes the last `width` of its positions."""
+        row `i` has `pads[i]` left pads and computes the last `width` of its positions, which end after its
+        `new_tokens[i]` new tokens."""
         length = past_length + width
-        windows = [r.token_ids[-width:] for r in step.requests]
+        ends = [r.row.num_tokens + n for r, n in zip(step.requests, step.new_tokens)]
+        windows = [r.token_ids[max(end - width, 0) : end] for r, end in zip(step.requests, ends)]
         device = self.device
         input_ids = torch.tensor(
             [[self.pad_token_id] * (width - len(w)) + w for w in windows], dtype=torch.long, device=device

@@ -18,11 +18,14 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Step:
     """One forward: `requests` each storing `new_tokens[i]` tokens. A prefill step admits waiting requests (their
-    prompt, or prompt plus output after a preemption); a decode step feeds every running request its last token."""
+    prompt, or prompt plus output after a preemption), or computes the next chunk of a prompt longer than the
+    prefill budget; a decode step feeds every decoding request its last token. `admitted` are the requests this
+    step admits."""
 
     kind: str
     requests: list[Request]
     new_tokens: list[int]
+    admitted: tuple[Request, ...] = ()
 
 
 class Scheduler:
@@ -30,16 +33,18 @@ class Scheduler:
 
     Each `schedule()` admits waiting requests in arrival order while the pool holds their uncached prompt blocks
     on top of what the running requests need for their next token (and the padded prefill stays within
-    `max_prefill_tokens`); admitted requests are prefilled in one forward. Otherwise every running request decodes
-    one token; when the pool cannot hold that, the most recently admitted request is preempted: its blocks go back
-    (full ones stay in the prefix cache) and it waits at the head of the queue to be recomputed.
+    `max_prefill_tokens`); admitted requests are prefilled in one forward. A prompt longer than `max_prefill_tokens`
+    is admitted alone and prefilled in chunks of that many tokens, one chunk per step, with decode steps of the
+    other running requests in between (no other request is admitted until its last chunk). Otherwise every running
+    request decodes one token; when the pool cannot hold that, the most recently admitted request is preempted: its
+    blocks go back (full ones stay in the prefix cache) and it waits at the head of the queue to be recomputed.
 
     Args:
         allocator (`BlockAllocator`): the pool's allocator.
         root (`bytes`, *optional*): prefix-cache namespace root; `None` turns prefix reuse off.
         max_batch_size (`int`): most requests running at once.
-        max_prefill_tokens (`int`): most padded positions (rows x width) in one prefill forward; a single request
-            is always admitted alone.
+        max_prefill_tokens (`int`): most padded positions (rows x width) in one prefill forward; a longer prompt
+            is admitted alone and prefilled in chunks of this many tokens.
         windows (`list[int | None]`, *optional*): the release window of every layer group of the cache the rows
             serve (`PagedCache.release_windows`; default one full-attention group): a row holds a table per group,
             and the blocks the cache gives back behind sliding windows before a decode step count as free for it.
@@ -75,6 +80,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._last_kind: str | None = None
 
     @property
     def has_work(self) -> bool:
@@ -95,27 +101,72 @@ class Scheduler:
     def schedule(self) -> tuple[Step | None, list[Request]]:
         """The next forward (or `None` when idle), and the requests that failed because they can never fit."""
         failed: list[Request] = []
-        admitted = self._admit(failed)
-        if admitted:
-            new_tokens = [len(r.token_ids) - r.row.num_tokens for r in admitted]
-            return Step("prefill", admitted, new_tokens), failed
+        step = self._next_step(failed)
+        self._last_kind = None if step is None else step.kind
+        return step, failed
+
+    def _next_step(self, failed: list[Request]) -> Step | None:
+        partial = next((r for r in self.running if self.pending_tokens(r) > 1), None)
+        if partial is not None:
+            others_decode = len(self.running) > 1 and self._last_kind == "prefill"
+            if not others_decode and self._room_for_chunk(partial, failed):
+                return Step("prefill", [partial], [self._chunk(partial)])
+        else:
+            admitted = self._admit(failed)
+            if admitted:
+                return Step("prefill", admitted, [self._chunk(r) for r in admitted], tuple(admitted))
         self._make_room_for_decode(failed)
-        if not self.running:
-            return None, failed
-        return Step("decode", list(self.running), [1] * len(self.running)), failed
+        decoding = self._decoding()
+        if decoding:
+            return Step("decode", decoding, [1] * len(decoding))
+        partial = next(iter(self.running), None)  # a chunked prefill alone: its next chunk
+        if partial is not None and self._room_for_chunk(partial, failed):
+            return Step("prefill", [partial], [self._chunk(partial)])
+        return None
+
+    @staticmethod
+    def pending_tokens(request: Request) -> int:
+        """Tokens of `request` not yet in its blocks: 1 when it decodes (its last token), more while its prompt is
+        being prefilled."""
+        return len(request.token_ids) - request.row.num_tokens
+
+    def _chunk(self, request: Request) -> int:
+        return min(self.pending_tokens(request), self.max_prefill_tokens)
+
+    def _decoding(self) -> list[Request]:
+        return [r for r in self.running if self.pending_tokens(r) == 1]
 
     def never_fits(self, num_tokens: int) -> str | None:
-        """Why a request of `num_tokens` tokens can never run in this pool (its tokens and the next one need more
-        blocks, in every layer group, than the whole pool has), or `None`."""
+        """Why a request of `num_tokens` tokens can never run in this pool (`blocks_to_run` exceeds the whole
+        pool), or `None`."""
         allocator = self.allocator
-        blocks = -(-(num_tokens + 1) // allocator.block_size) * len(self.windows)
+        blocks = self.blocks_to_run(num_tokens)
         if blocks <= allocator.num_blocks:
             return None
-        groups = "" if len(self.windows) == 1 else f" in each of its {len(self.windows)} layer groups"
+        groups = "" if len(self.windows) == 1 else f" over its {len(self.windows)} layer groups"
         return (
-            f"the request needs {blocks} blocks of {allocator.block_size} tokens for its {num_tokens} tokens and the "
-            f"next one{groups}, but the whole pool has {allocator.num_blocks} blocks"
+            f"the request needs {blocks} blocks of {allocator.block_size} tokens{groups} for its {num_tokens} tokens "
+            f"and the next one, but the whole pool has {allocator.num_blocks} blocks"
         )
+
+    def blocks_to_run(self, num_tokens: int) -> int:
+        """The most blocks a request of `num_tokens` tokens holds at once on its way to its next token: every
+        block in a full-attention group; in a sliding group, at most its window and one prefill chunk (blocks
+        behind the window go back before each forward)."""
+        size = self.allocator.block_size
+        total = 0
+        for window in self.windows:
+            blocks = -(-(num_tokens + 1) // size)
+            if window is not None:
+                blocks = min(blocks, -(-(window - 1 + self.max_prefill_tokens) // size) + 1)
+            total += blocks
+        return total
+
+    def _prefill_appends(self, row: Row, new_tokens: int) -> list:
+        """What admitting `row` with `new_tokens` to prefill must find room for: the whole prompt in full-attention
+        groups, its first chunk in sliding groups (which give back blocks behind their window between chunks)."""
+        chunk = min(new_tokens, self.max_prefill_tokens)
+        return [(table, new_tokens if w is None else chunk) for table, w in zip(row.tables, self.windows)]
 
     # ------------------------------------------------------------------ admission
     def _admit(self, failed: list[Request]) -> list[Request]:
@@ -134,14 +185,15 @@ class Scheduler:
                 continue
             row = self._new_row(tokens)
             new = len(tokens) - row.num_tokens
-            needed = allocator.num_blocks_needed_for(row.appends(new))
-            over_budget = admitted and (len(admitted) + 1) * max(width, new) > self.max_prefill_tokens
+            needed = allocator.num_blocks_needed_for(self._prefill_appends(row, new))
+            chunk = min(new, self.max_prefill_tokens)
+            over_budget = admitted and (len(admitted) + 1) * max(width, chunk) > self.max_prefill_tokens
             if over_budget or needed + reserve > allocator.num_free:
                 row.free(allocator)
                 break
             self.waiting.popleft()
             reserve += needed
-            width = max(width, new)
+            width = max(width, chunk)
             request.row = row
             request.prefix_tokens_reused += row.num_tokens
             request.status = RequestStatus.RUNNING
@@ -156,14 +208,32 @@ class Scheduler:
         return Row.from_prefix_cache(self.allocator, roots, self.windows, tokens)
 
     def _decode_appends(self) -> list:
-        return [append for request in self.running for append in request.row.appends(1)]
+        return [append for request in self._decoding() for append in request.row.appends(1)]
 
-    # ------------------------------------------------------------------ decode and preemption
+    # ------------------------------------------------------------------ chunks, decode and preemption
+    def _room_for_chunk(self, request: Request, failed: list[Request]) -> bool:
+        """Whether the pool holds the next chunk of `request`; if not, `request` is preempted (or, alone, fails)."""
+        allocator = self.allocator
+        needed = allocator.num_blocks_needed_for(request.row.appends(self._chunk(request)))
+        if needed <= allocator.num_free + self._num_freed_by_release([request]):
+            return True
+        if len(self.running) == 1:
+            self.finish(
+                request,
+                "error",
+                f"the request holds {len(request.row.live_block_ids)} blocks and its next prompt chunk needs "
+                f"{needed} more, but the pool has {allocator.num_blocks} blocks in all",
+            )
+            failed.append(request)
+        else:
+            self._preempt(request)
+        return False
+
     def _make_room_for_decode(self, failed: list[Request]) -> None:
         allocator = self.allocator
         while self.running:
             needed = allocator.num_blocks_needed_for(self._decode_appends())
-            if needed <= allocator.num_free + self._num_freed_by_release():
+            if needed <= allocator.num_free + self._num_freed_by_release(self._decoding()):
                 return
             victim = self.running[-1]
             if len(self.running) == 1:
@@ -177,14 +247,14 @@ class Scheduler:
                 return
             self._preempt(victim)
 
-    def _num_freed_by_release(self) -> int:
-        """Blocks that become free when the cache gives back the running rows' blocks behind their sliding windows
-        at the start of the next forward (a block shared by several rows only when all of them give it back)."""
+    def _num_freed_by_release(self, requests: list[Request]) -> int:
+        """Blocks that become free when the cache gives back the rows' blocks behind their sliding windows at the
+        start of the forward of `requests` (a block shared by several rows only when all of them give it back)."""
         if all(window is None for window in self.windows):
             return 0
         behind = Counter(
             block_id
-            for request in self.running
+            for request in requests
             for block_id in request.row.blocks_behind(self.windows, self.allocator.block_size)
         )
         return sum(1 for block_id, count in behind.items() if self.allocator.ref_count(block_id) == count)

@@ -25,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--num-blocks", type=int, help="KV blocks in the pool")
     size.add_argument("--max-memory", help='KV memory for the pool, e.g. "512MiB"')
     serve.add_argument("--max-batch-size", type=int, default=64)
+    serve.add_argument(
+        "--max-prefill-tokens", type=int, default=4096, help="tokens per prefill forward; longer prompts are chunked"
+    )
     serve.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/* routes")
     serve.add_argument("--log-level", default="info")
     return parser
@@ -63,7 +66,14 @@ def serve(args) -> None:
         pool_options["num_blocks"] = args.num_blocks
     if args.max_memory is not None:
         pool_options["max_memory"] = args.max_memory
-    engine = Engine(model, tokenizer, max_batch_size=args.max_batch_size, progress=False, **pool_options)
+    engine = Engine(
+        model,
+        tokenizer,
+        max_batch_size=args.max_batch_size,
+        max_prefill_tokens=args.max_prefill_tokens,
+        progress=False,
+        **pool_options,
+    )
     loop = EngineLoop(engine)
     logger.info("serving %s on http://%s:%d (pool: %r)", name, args.host, args.port, engine.pool)
     try:
