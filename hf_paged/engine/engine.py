@@ -27,9 +27,10 @@ Prompt = str | Sequence[int]
 class Engine:
     """Serve many prompts at once on one model: requests join and leave the running batch every step.
 
-    Every step either prefills newly admitted requests (reusing cached prompt prefixes) or decodes one token for
-    every running request, as one batch of the stock model forward over a `PagedCache`: rows keep their own lengths
-    and no padding is stored. Requests hold blocks only for the tokens they have; finished or aborted requests free
+    Every step either prefills newly admitted requests (reusing cached prompt prefixes; a prompt longer than
+    `max_prefill_tokens` a chunk per step, between decode steps) or decodes one token for every running request,
+    as one batch of the stock model forward over a `PagedCache`: rows keep their own lengths and no padding is
+    stored. Requests hold blocks only for the tokens they have; finished or aborted requests free
     them the same step; when the pool runs out mid-decode the most recently admitted request is preempted and later
     recomputed, with the same output.
 
