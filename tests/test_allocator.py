@@ -19,6 +19,7 @@ from hypothesis.stateful import (
 from hf_paged import BlockAllocator, BlockCopy, InvariantError, PoolExhaustedError
 from hf_paged.accounting import naive_footprint, paged_footprint
 from hf_paged.prefix import chain, root_hash
+from hf_paged.rows import dead_tokens
 
 from .conftest import LONG_TESTS
 
@@ -499,6 +500,34 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.tokens[table.table_id] = prompt[: len(found) * self.size]
 
     @precondition(lambda self: len(self.tables) < MAX_TABLES)
+    @rule(
+        source=st.integers(0, 1000),
+        keep=st.integers(0, 12),
+        suffix=st.lists(TOKENS, max_size=4),
+        window=st.integers(1, 8),
+    )
+    def reuse_window(self, source, keep, suffix, window):
+        """A new table of a sliding-window layer group: the longest cached prefix whose blocks inside the window
+        of its next token are all cached, each looked up on its own; the blocks before the window are skipped."""
+        self._count()
+        allocator = self.allocator
+        prompt = self._prompt(source, keep, suffix)
+        links = chain(ROOT, prompt, self.size)
+        found = allocator.lookup_blocks(links)
+        count = len(links)
+        while count and None in found[dead_tokens(count * self.size, window) // self.size : count]:
+            count -= 1
+        skipped = dead_tokens(count * self.size, window) // self.size
+        refs = [allocator.ref_count(b) for b in found[skipped:count]]
+        table = allocator.new_table()
+        allocator.share_cached(table, [None] * skipped + found[skipped:count])
+        assert table.block_ids == [None] * skipped + found[skipped:count] and table.num_tokens == count * self.size
+        assert [allocator.ref_count(b) for b in found[skipped:count]] == [r + 1 for r in refs]
+        self.seen["window hit"] += bool(count)
+        self.tables.append(table)
+        self.tokens[table.table_id] = prompt[: count * self.size]
+
+    @precondition(lambda self: len(self.tables) < MAX_TABLES)
     @rule(source=st.integers(0, 1000), keep=st.integers(1, 12), insert=st.booleans())
     def recompute(self, source, keep, insert):
         """A new table appending the tokens of one seen before (its full blocks deduplicate on insert_prefix)."""
@@ -592,6 +621,7 @@ def test_allocator_state_machine_runs_the_target_number_of_steps():
             "copy-on-write",
             "deduplicated block",
             "prefix hit",
+            "window hit",
             "eviction",
             "released block",
             "crop into released blocks refused",
