@@ -377,6 +377,19 @@ def test_smollm2_engine_matches_generate_alone(smollm2, chat_workload, block_siz
         assert stats.preemptions > 0 and stats.peak_blocks <= 40 and stats.prefix_hit_rate > 0
 
 
+@pytest.mark.slow
+def test_smollm2_chunked_prefill_matches_generate_alone(smollm2, chat_workload):
+    # chat prompts of about 40 tokens in chunks of 16, without the prefix cache: every chunk is computed
+    model, tokenizer = smollm2
+    prompts, news, expected = chat_workload
+    engine = Engine(model, tokenizer, block_size=16, num_blocks=256, max_prefill_tokens=16, prefix_caching=False)
+    ids = [engine.add_request(p, max_new_tokens=n) for p, n in zip(prompts[:16], news)]
+    finals = drive(engine)
+    assert [finals[i].token_ids for i in ids] == expected[:16]
+    assert engine.stats().prefill_steps >= sum(-(-len(p) // 16) for p in prompts[:16])
+    assert engine.pool.stats().num_used == 0
+
+
 def test_smollm2_stop_strings_and_streamed_text(smollm2):
     model, tokenizer = smollm2
     engine = Engine(model, tokenizer, block_size=16, num_blocks=128)
