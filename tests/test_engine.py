@@ -202,6 +202,18 @@ def test_prompt_larger_than_the_pool_fails_alone(model, workload):
     assert engine.pool.stats().num_used == 0
 
 
+def test_a_request_blocked_by_blocks_held_outside_the_engine_fails_instead_of_waiting_forever(model):
+    engine = Engine(model, block_size=4, num_blocks=16)
+    outside = hf_paged.PagedCache(model, block_size=4, num_blocks=16)
+    model.generate(torch.tensor([list(range(3, 43))]), past_key_values=outside, max_new_tokens=8)  # 12 blocks held
+    short, blocked = engine.generate([[5, 6, 7], list(range(50, 70))], max_new_tokens=2)
+    assert short.finish_reason == "length" and len(short.token_ids) == 2  # 1 block: fits in the 4 free
+    assert blocked.finish_reason == "error" and "needs 5 free blocks but only 4 of the pool's 16" in blocked.error
+    outside.release()
+    (again,) = engine.generate([list(range(50, 70))], max_new_tokens=2)
+    assert again.finish_reason == "length" and engine.pool.stats().num_used == 0
+
+
 def test_a_sequence_outgrowing_the_whole_pool_fails_with_its_tokens(model):
     engine = Engine(model, block_size=4, num_blocks=4)
     [output] = engine.generate([[5, 6, 7]], max_new_tokens=40, min_new_tokens=40)

@@ -190,6 +190,11 @@ class Scheduler:
             over_budget = admitted and (len(admitted) + 1) * max(width, chunk) > self.max_prefill_tokens
             if over_budget or needed + reserve > allocator.num_free:
                 row.free(allocator)
+                if not admitted and not self.running:  # no request of this engine will free a block for it
+                    self.waiting.popleft()
+                    request.finish("error", self._held_elsewhere(needed))
+                    failed.append(request)
+                    continue
                 break
             self.waiting.popleft()
             reserve += needed
@@ -200,6 +205,14 @@ class Scheduler:
             admitted.append(request)
         self.running.extend(admitted)
         return admitted
+
+    def _held_elsewhere(self, needed: int) -> str:
+        allocator = self.allocator
+        return (
+            f"the request needs {needed} free blocks but only {allocator.num_free} of the pool's "
+            f"{allocator.num_blocks} are free and this engine holds none: the others are held by caches outside it "
+            "(release them, e.g. PagedCache.release(), or give the pool more blocks)"
+        )
 
     def _new_row(self, tokens: list[int]) -> Row:
         if self.root is None:
