@@ -106,10 +106,6 @@ class Row:
         """Every block the row holds, group after group."""
         return [block_id for table in self.tables for block_id in table.live_block_ids]
 
-    @property
-    def is_freed(self) -> bool:
-        return self.tables[0].is_freed
-
     def appends(self, num_new_tokens: int) -> list[tuple[BlockTable, int]]:
         """`(table, num_new_tokens)` of every group, for `BlockAllocator.append_all` / `num_blocks_needed_for`."""
         return [(table, num_new_tokens) for table in self.tables]
