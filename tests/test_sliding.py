@@ -358,6 +358,23 @@ def test_engine_on_a_hybrid_matches_generate_alone_and_holds_the_window(gemma2):
     engine.pool.check_invariants()
 
 
+def test_engine_on_a_hybrid_stays_exact_through_preemption(gemma2):
+    # 8 requests would hold about 8 x (17 + 5) blocks at the end; the pool has 60: requests are preempted and
+    # recomputed (under this pressure their cached blocks are mostly evicted before they come back)
+    prompts = [prompt(length, seed=40 + length)[0].tolist() for length in (5, 30, 12, 22, 9, 27, 16, 3)]
+    alone = [
+        gemma2.generate(torch.tensor([p]), max_new_tokens=100, min_new_tokens=100, do_sample=False)[0, len(p) :]
+        for p in prompts
+    ]
+    engine = Engine(gemma2, block_size=BLOCK_SIZE, num_blocks=60)
+    outputs = engine.generate(prompts, max_new_tokens=100, min_new_tokens=100, do_sample=False)
+    assert [o.token_ids for o in outputs] == [a.tolist() for a in alone]
+    stats = engine.stats()
+    assert stats.preemptions > 0 and stats.peak_blocks <= 60
+    assert engine.pool.stats().num_used == 0
+    engine.pool.check_invariants()
+
+
 def test_engine_on_a_hybrid_reuses_a_long_shared_prefix(gemma3):
     system = prompt(100, seed=20)[0].tolist()
     first, second = system + [5, 6, 7], system + [9, 10]
