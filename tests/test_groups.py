@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from hf_paged import KVLayout, LayerGroup, PagedCache, get_pool
 from hf_paged.groups import layer_kv_shapes
@@ -91,3 +93,27 @@ def test_a_hybrid_whose_layers_differ_in_kv_shape_keeps_one_group():
     assert shape.layer_kv == ((2, 16), (2, 16), (1, 32))
     assert shape.bytes_per_token == shape.bytes_per_block_token == 2 * (32 + 32 + 32) * 4
     assert KVShape.from_model(tiny_model("gemma3")).layer_kv is None  # every layer alike
+
+
+@given(st.lists(st.one_of(st.none(), st.integers(1, 64)), min_size=1, max_size=40))
+def test_every_layout_places_each_layer_once_in_a_group_of_its_kind(windows):
+    layout = KVLayout.for_windows(windows)
+    layers = sorted(layer for group in layout.groups for layer in group.layers)
+    assert layers == list(range(len(windows)))  # every layer, once
+    full = [i for i, w in enumerate(windows) if w is None]
+    sliding = [i for i, w in enumerate(windows) if w is not None]
+    if not full or not sliding:
+        assert layout.num_groups == 1 and layout.slots_per_block == len(windows)
+        assert layout.windows == [max(windows[i] for i in sliding) if sliding else None]
+        return
+    width = min(len(full), len(sliding))
+    assert layout.slots_per_block == width
+    assert layout.num_groups == -(-len(full) // width) + -(-len(sliding) // width)
+    kinds = [group.window is None for group in layout.groups]
+    assert kinds == sorted(kinds, reverse=True)  # full groups first
+    for index, group in enumerate(layout.groups):
+        assert all((windows[layer] is None) == (group.window is None) for layer in group.layers)  # one kind
+        assert group.window is None or group.window == max(windows[i] for i in sliding)
+        assert 1 <= len(group.layers) <= width
+        assert [layout.slot_of[layer] for layer in group.layers] == list(range(len(group.layers)))
+        assert all(layout.group_of[layer] == index for layer in group.layers)
