@@ -358,6 +358,17 @@ def test_engine_on_a_hybrid_matches_generate_alone_and_holds_the_window(gemma2):
     engine.pool.check_invariants()
 
 
+def test_engine_follows_a_release_window_set_on_its_cache(gemma2):
+    request = prompt(20, seed=50)[0].tolist()
+    alone = gemma2.generate(torch.tensor([request]), max_new_tokens=60, min_new_tokens=60, do_sample=False)
+    engine = Engine(gemma2, block_size=BLOCK_SIZE, num_blocks=64)
+    engine.cache.sliding_release_window = None  # keep every block
+    with BlockMeter(gemma2, engine.cache) as meter:
+        (output,) = engine.generate([request], max_new_tokens=60, min_new_tokens=60, do_sample=False)
+    assert engine.scheduler.windows == [None, None] and output.token_ids == alone[0, 20:].tolist()
+    assert max(meter.per_row) == full_blocks(20 + 60 - 1) == 10  # the sliding group kept every block too
+
+
 def test_engine_on_a_hybrid_stays_exact_through_preemption(gemma2):
     # 8 requests would hold about 8 x (17 + 5) blocks at the end; the pool has 60: requests are preempted and
     # recomputed (under this pressure their cached blocks are mostly evicted before they come back)

@@ -165,6 +165,7 @@ class Engine:
             changed = [r for r in self._requests.values() if r.finished]  # max_new_tokens=0, or failed earlier
             if self.scheduler.root is not None:  # the weights may have been trained since the last step
                 self.scheduler.root = self.cache.refresh_prefix_root()
+            self.scheduler.windows = self.cache.release_windows  # `sliding_release_window` may have been set
             step, failed = self.scheduler.schedule()
             changed += failed
             if step is not None:
