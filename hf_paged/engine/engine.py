@@ -181,11 +181,11 @@ class Engine:
 
     def _run(self, step: Step) -> list[Request]:
         """Run `step`; returns the requests that got a token (a prompt chunk short of the end gets none)."""
-        self._counters["admitted_tokens"] += sum(len(r.token_ids) for r in step.admitted)
+        self._counters["admitted_tokens"] += sum(r.num_tokens for r in step.admitted)
         self._counters["reused_tokens"] += sum(r.row.num_tokens for r in step.admitted)
         try:
             logits = self._forward(step)
-            done = [i for i, r in enumerate(step.requests) if r.row.num_tokens == len(r.token_ids)]
+            done = [i for i, r in enumerate(step.requests) if r.row.num_tokens == r.num_tokens]
             sampled = [step.requests[i] for i in done]
             tokens = next_tokens(sampled, logits[done]) if sampled else []
         except BaseException as error:
@@ -237,7 +237,7 @@ class Engine:
             return "stop"
         if generated >= params.max_new_tokens:
             return "length"
-        if self.max_context is not None and len(request.token_ids) >= self.max_context:
+        if self.max_context is not None and request.num_tokens >= self.max_context:
             return "length"
         return None
 

@@ -82,6 +82,11 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def num_tokens(self) -> int:
+        """`len(token_ids)`, without building the list."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 

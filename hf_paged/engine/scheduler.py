@@ -128,7 +128,7 @@ class Scheduler:
     def pending_tokens(request: Request) -> int:
         """Tokens of `request` not yet in its blocks: 1 when it decodes (its last token), more while its prompt is
         being prefilled."""
-        return len(request.token_ids) - request.row.num_tokens
+        return request.num_tokens - request.row.num_tokens
 
     def _chunk(self, request: Request) -> int:
         return min(self.pending_tokens(request), self.max_prefill_tokens)
@@ -162,10 +162,9 @@ class Scheduler:
             total += blocks
         return total
 
-    def _prefill_appends(self, row: Row, new_tokens: int) -> list:
+    def _prefill_appends(self, row: Row, new_tokens: int, chunk: int) -> list:
         """What admitting `row` with `new_tokens` to prefill must find room for: the whole prompt in full-attention
-        groups, its first chunk in sliding groups (which give back blocks behind their window between chunks)."""
-        chunk = min(new_tokens, self.max_prefill_tokens)
+        groups, its first `chunk` in sliding groups (which give back blocks behind their window between chunks)."""
         return [(table, new_tokens if w is None else chunk) for table, w in zip(row.tables, self.windows)]
 
     # ------------------------------------------------------------------ admission
@@ -185,8 +184,8 @@ class Scheduler:
                 continue
             row = self._new_row(tokens)
             new = len(tokens) - row.num_tokens
-            needed = allocator.num_blocks_needed_for(self._prefill_appends(row, new))
             chunk = min(new, self.max_prefill_tokens)
+            needed = allocator.num_blocks_needed_for(self._prefill_appends(row, new, chunk))
             over_budget = admitted and (len(admitted) + 1) * max(width, chunk) > self.max_prefill_tokens
             if over_budget or needed + reserve > allocator.num_free:
                 row.free(allocator)
@@ -231,13 +230,7 @@ class Scheduler:
         if needed <= allocator.num_free + self._num_freed_by_release([request]):
             return True
         if len(self.running) == 1:
-            self.finish(
-                request,
-                "error",
-                f"the request holds {len(request.row.live_block_ids)} blocks and its next prompt chunk needs "
-                f"{needed} more, but the pool has {allocator.num_blocks} blocks in all",
-            )
-            failed.append(request)
+            self._fail_alone(request, f"its next prompt chunk needs {needed} more", failed)
         else:
             self._preempt(request)
         return False
@@ -250,15 +243,18 @@ class Scheduler:
                 return
             victim = self.running[-1]
             if len(self.running) == 1:
-                self.finish(
-                    victim,
-                    "error",
-                    f"the request holds {len(victim.row.live_block_ids)} blocks and needs {needed} more, but the "
-                    f"pool has {allocator.num_blocks} blocks in all",
-                )
-                failed.append(victim)
+                self._fail_alone(victim, f"needs {needed} more", failed)
                 return
             self._preempt(victim)
+
+    def _fail_alone(self, request: Request, need: str, failed: list[Request]) -> None:
+        """End the only running request, which the whole pool cannot hold (`need`: what it needs more)."""
+        held = len(request.row.live_block_ids)
+        message = (
+            f"the request holds {held} blocks and {need}, but the pool has {self.allocator.num_blocks} blocks in all"
+        )
+        self.finish(request, "error", message)
+        failed.append(request)
 
     def _num_freed_by_release(self, requests: list[Request]) -> int:
         """Blocks that become free when the cache gives back the rows' blocks behind their sliding windows at the
@@ -279,7 +275,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
-        logger.debug("hf_paged: preempted request %s (%d tokens)", request.request_id, len(request.token_ids))
+        logger.debug("hf_paged: preempted request %s (%d tokens)", request.request_id, request.num_tokens)
 
     def _drop_row(self, request: Request) -> None:
         if request.row is not None:
