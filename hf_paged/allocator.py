@@ -403,7 +403,8 @@ class BlockAllocator:
         verified token by token; one query in `stats()`."""
         with self.lock:
             found = []
-            for block_id in self.lookup_blocks(chain):
+            for block_hash, tokens in chain:
+                block_id = self._cached_block(block_hash, tokens)
                 if block_id is None:
                     break
                 found.append(block_id)
@@ -414,11 +415,11 @@ class BlockAllocator:
         """The cached block of every link of `chain`, each looked up on its own and verified token by token
         (`None` where not cached); not counted in `stats()` (see `record_prefix_query`)."""
         with self.lock:
-            found = []
-            for block_hash, tokens in chain:
-                block_id = self._hash_to_block.get(block_hash)
-                found.append(None if block_id is None or self._block_tokens[block_id] != tuple(tokens) else block_id)
-            return found
+            return [self._cached_block(block_hash, tokens) for block_hash, tokens in chain]
+
+    def _cached_block(self, block_hash: bytes, tokens: tuple[int, ...]) -> int | None:
+        block_id = self._hash_to_block.get(block_hash)
+        return None if block_id is None or self._block_tokens[block_id] != tuple(tokens) else block_id
 
     def record_prefix_query(self, num_tokens_found: int) -> None:
         """Count one prefix-cache query that found `num_tokens_found` tokens."""
