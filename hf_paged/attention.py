@@ -126,7 +126,9 @@ def paged_attention_forward(
     is read through the row block tables (`PagedCache.read_layer`). Without a paged cache it attends over the
     `key`/`value` given.
     The grouped-query factor comes from the tensor shapes; `scaling`, `softcap`, attention sinks (`s_aux`) and the
-    (sliding-window, padded) mask are honoured.
+    (sliding-window, padded) mask are honoured. With `output_attentions=True` (which transformers passes down) it
+    computes in plain torch ops and returns the attention probabilities, as eager attention does; otherwise it runs
+    SDPA and returns no weights.
     """
     if paged_cache is None:
         paged_cache = bound_paged_cache()
@@ -137,7 +139,7 @@ def paged_attention_forward(
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     n_rep = num_heads // num_kv_heads
     dropout = dropout if module.training else 0.0
-    if softcap is not None or s_aux is not None:
+    if softcap is not None or s_aux is not None or kwargs.get("output_attentions"):
         return eager_paged_attention(
             query, key, value, attention_mask, scaling, dropout, softcap, s_aux, training=module.training
         )

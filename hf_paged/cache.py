@@ -180,6 +180,15 @@ class PagedCache(Cache):
         """Root of this cache's prefix-hash chains (the model, dtype, adapters and weights it was built for)."""
         return self._root
 
+    def stop_prefix_caching(self) -> None:
+        """Stop addressing this cache's blocks by token ids, for good: no prefix lookups, and no block it fills from
+        now on is indexed. hf_paged calls it when a forward's K/V depend on more than the token ids (images,
+        `inputs_embeds`, ...), so a request is never served another request's image K/V behind the same
+        placeholder ids, and never skips a prompt position whose other inputs the model must still consume."""
+        self._prefix_caching = False
+        for row in self._rows:
+            row.record(None)
+
     def refresh_prefix_root(self) -> bytes:
         """Recompute `prefix_root` from the model as it is now (its weights may have been trained since)."""
         model = self._model_ref()
@@ -256,6 +265,26 @@ class PagedCache(Cache):
         first = self.layers[layer_idx].first_visible(self._seq_length - plan.num_new)
         slot_map = local.slot_map[:, first:] if first else local.slot_map
         return storage.gather(layer_idx, slot_map, local.head_rows(storage.num_heads(layer_idx), first))
+
+    def dense_layer(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A copy of layer `layer_idx`'s K/V laid out as transformers' dynamic layers hold them:
+        `[batch, num_kv_heads, length, head_dim]` over the padded positions (a sliding-window layer: its last
+        `sliding_window - 1`), left-pad positions zero (they are never stored). `(None, None)` while the cache holds
+        no token. For inspection (`cache.layers[i].keys`); the pages themselves are not changed."""
+        self._check_open()
+        length = self._seq_length
+        storage = self.pool.storage
+        if not self._rows or length == 0 or not storage.has_layer(layer_idx):
+            return None, None
+        device = storage.device_of(layer_idx)
+        tables = [row.tables[self.layout.group_of[layer_idx]] for row in self._rows]
+        pads = self.leading_pads
+        addressing = address_tables(tables, pads, self.pool.block_size, length, 0, device)
+        first = self.layers[layer_idx].first_visible(length)
+        keys, values = storage.gather(layer_idx, addressing.slot_map[:, first:])
+        position = torch.arange(first, length, device=device)
+        stored = (position[None, :] >= torch.tensor(pads, device=device)[:, None])[:, None, :, None]
+        return keys.where(stored, 0), values.where(stored, 0)
 
     def reads_tables_in_attention(self) -> bool:
         return self._plan is not None and self._plan.reads_tables
@@ -455,12 +484,15 @@ class PagedCache(Cache):
         return changed
 
     # ------------------------------------------------------------------ prompts and prefixes
-    def start_from_prompt(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None) -> int:
+    def start_from_prompt(
+        self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None, lookup: bool = True
+    ) -> int:
         """Prepare for a `generate` call on `input_ids` (`[batch, length]`, left-padded); returns the positions that
         need no prefill.
 
         - An empty cache takes the longest cached prefix every row shares a block-aligned start with (all rows need
-          the same left padding), so `generate` prefills only the rest.
+          the same left padding), so `generate` prefills only the rest; not with `lookup=False` (a call that
+          returns attention weights or hidden states of every prompt position must compute them all).
         - A cache that already holds tokens (a conversation continued with `past_key_values`) is cropped back to the
           longest prefix it shares with `input_ids`, so stale positions are never attended to.
 
@@ -478,7 +510,7 @@ class PagedCache(Cache):
         with self.pool.allocator.lock:
             if self._rows:
                 return self._align_to_prompt(pads, tokens, width)
-            return self._reuse_cached_prefix(pads, tokens)
+            return self._reuse_cached_prefix(pads, tokens) if lookup else 0
 
     def _reuse_cached_prefix(self, pads: list[int], tokens: list[list[int]]) -> int:
         if len(set(pads)) != 1:

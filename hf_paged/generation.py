@@ -15,6 +15,7 @@ are never stored) and, under the `"hf_paged"` attention, bind the cache for the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_TRANSFORMERS = (">=5.23", "<5.24")
 PAGED = "paged"
+EAGER = "eager"
 # Decoding loops whose prefill feeds only the prompt positions the cache does not hold yet; the others (assisted
 # decoding feeds the whole prompt on its first iteration) must start from an empty cache.
 _MODES_THAT_SLICE_A_STARTED_CACHE = {
@@ -84,6 +86,25 @@ def attach_to_model(model: torch.nn.Module) -> None:
         )
 
 
+# tensor inputs that decide no K/V beyond what the token ids say: of a `generate` call, of one forward of the model
+_TOKEN_INPUTS_OF_GENERATE = frozenset({"input_ids", "attention_mask"})
+_TOKEN_INPUTS_OF_FORWARD = frozenset({"input_ids", "attention_mask", "position_ids", "cache_position"})
+
+
+def _inputs_beyond_token_ids(kwargs: dict, token_inputs: frozenset) -> list[str]:
+    """Names of the tensor inputs in `kwargs` other than `token_inputs` (images, audio, `inputs_embeds`, custom
+    position ids...): K/V then depend on more than the token ids, so blocks cannot be addressed by token ids."""
+    return [
+        name
+        for name, value in kwargs.items()
+        if name not in token_inputs
+        and (
+            isinstance(value, torch.Tensor)
+            or (isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value))
+        )
+    ]
+
+
 def _before_forward(module: torch.nn.Module, args: tuple, kwargs: dict):
     cache = kwargs.get("past_key_values")
     if not isinstance(cache, PagedCache):
@@ -97,6 +118,8 @@ def _before_forward(module: torch.nn.Module, args: tuple, kwargs: dict):
         reads_tables=reads_tables,
     )
     cache.bind_forward(module, inputs)
+    if cache.prefix_caching and _inputs_beyond_token_ids(kwargs, _TOKEN_INPUTS_OF_FORWARD):
+        cache.stop_prefix_caching()
     bind_paged_cache(module, cache if reads_tables else None)
     return None
 
@@ -135,6 +158,14 @@ def attention_implementation(model: torch.nn.Module, implementation: str):
                     model.set_attn_implementation(entry[1])
 
 
+def _own_attention(model: torch.nn.Module) -> str:
+    """The model's attention implementation outside paged calls (one running in another thread may have switched
+    it for its duration)."""
+    with _switch_lock:
+        entry = _switched.get(id(model))
+    return model.config._attn_implementation if entry is None else entry[1]
+
+
 # ---------------------------------------------------------------------- generate wrapper
 class _PagedRequest:
     """One paged `generate` call of this thread: what cache to build, and the cache built."""
@@ -153,32 +184,61 @@ def _requests() -> list[_PagedRequest]:
     return _state.requests
 
 
-def _paged_request_source(model, generation_config: GenerationConfig | None, kwargs: dict) -> str | None:
-    """`"argument"` when `generate` got `cache_implementation="paged"`, `"config"` when the generation config passed
-    or, for keys it leaves unset, the model's own generation config asks for it (transformers merges them that
-    way), else `None`."""
-    if kwargs.get("cache_implementation") is not None:
-        return "argument" if kwargs["cache_implementation"] == PAGED else None
+def _generation_option(model, generation_config: GenerationConfig | None, kwargs: dict, name: str):
+    """The value `generate` will use for the generation option `name`: the argument, else the generation config
+    passed, else the model's own generation config (transformers merges them in that order); `None` when unset."""
+    if kwargs.get(name) is not None:
+        return kwargs[name]
     for config in (generation_config, getattr(model, "generation_config", None)):
-        implementation = getattr(config, "cache_implementation", None)
-        if implementation is not None:
-            return "config" if implementation == PAGED else None
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
     return None
 
 
+def _paged_request_source(model, generation_config: GenerationConfig | None, kwargs: dict) -> str | None:
+    """`"argument"` when `generate` got `cache_implementation="paged"`, `"config"` when the generation config passed
+    or, for keys it leaves unset, the model's own generation config asks for it, else `None`."""
+    if _generation_option(model, generation_config, kwargs, "cache_implementation") != PAGED:
+        return None
+    return "argument" if kwargs.get("cache_implementation") is not None else "config"
+
+
+def _asks_for_attentions(model, generation_config: GenerationConfig | None, kwargs: dict) -> bool:
+    return bool(_generation_option(model, generation_config, kwargs, "output_attentions"))
+
+
+def _outputs_every_position(model, generation_config: GenerationConfig | None, kwargs: dict) -> bool:
+    """Whether the call returns attention weights or hidden states of every prompt position: then no cached prefix
+    may stand in for their prefill (its positions would be missing from the outputs)."""
+    return any(
+        _generation_option(model, generation_config, kwargs, name)
+        for name in ("output_attentions", "output_hidden_states")
+    )
+
+
+def _uses_cache(model, generation_config: GenerationConfig | None, kwargs: dict) -> bool:
+    """Whether stock `generate` builds a cache for this call: not with `use_cache=False`, except that a decoder-only
+    model prompted with `inputs_embeds` always caches (transformers forces it)."""
+    if kwargs.get("inputs_embeds") is not None and not model.config.is_encoder_decoder:
+        return True
+    return _generation_option(model, generation_config, kwargs, "use_cache") is not False
+
+
 def _cache_config_of(model, generation_config: GenerationConfig | None, kwargs: dict) -> PagedCacheConfig:
-    options = kwargs.get("cache_config")
-    for config in (generation_config, getattr(model, "generation_config", None)):
-        if options is None:
-            options = getattr(config, "cache_config", None)
-    return PagedCacheConfig.from_dict(options)
+    return PagedCacheConfig.from_dict(_generation_option(model, generation_config, kwargs, "cache_config"))
 
 
-def paged_attention_for(model: torch.nn.Module, config: PagedCacheConfig) -> str:
-    """The attention implementation a paged call runs on. A model that hard-codes its attention classes (it does not
-    dispatch through transformers' `AttentionInterface`, e.g. Falcon) cannot be switched: it keeps its own attention,
-    which reads the paged cache as dense K/V; asking it for another implementation is refused."""
-    requested = config.resolved_attn_implementation
+def paged_attention_for(model: torch.nn.Module, config: PagedCacheConfig, output_attentions: bool = False) -> str:
+    """The attention implementation a paged call runs on: `cache_config`'s `attn_implementation` when given; else
+    the model's own implementation when the call asks for attention weights or the model is set to eager attention
+    (the caller's choice is kept, reading the paged cache as dense K/V, so `output_attentions` gives exactly what
+    stock gives), and `"hf_paged"` otherwise. A model that hard-codes its attention classes (it does not dispatch
+    through transformers' `AttentionInterface`, e.g. Falcon) cannot be switched: it keeps its own attention, which
+    reads the paged cache as dense K/V; asking it for another implementation is refused."""
+    own = _own_attention(model)
+    keeps_own = output_attentions or own == EAGER
+    requested = config.attn_implementation or (own if keeps_own else config.resolved_attn_implementation)
     current = model.config._attn_implementation
     if requested == current or model._can_set_attn_implementation():
         return requested
@@ -217,6 +277,17 @@ def _releasing_assistant_caches():
                 cache.release()
 
 
+def _prompt_beyond_token_ids(model, inputs, kwargs: dict) -> bool:
+    """Whether this `generate` call's K/V depend on more than its token ids (then its blocks are not addressed by
+    token ids: prefix caching is off for it)."""
+    extra = _inputs_beyond_token_ids(kwargs, _TOKEN_INPUTS_OF_GENERATE)
+    if isinstance(inputs, torch.Tensor) and getattr(model, "main_input_name", "input_ids") != "input_ids":
+        extra.append(model.main_input_name)
+    if extra:
+        logger.info("hf_paged: prefix caching is off for this call: %s decide K/V besides the token ids", extra)
+    return bool(extra)
+
+
 def _check_prompt(model: torch.nn.Module, input_ids: torch.Tensor | None) -> None:
     """Refuse prompts that would fail inside the model with an unclear message (or a device-side assert)."""
     if input_ids is None:
@@ -242,9 +313,15 @@ def _generate_on_user_cache(model, cache: PagedCache, inputs, generation_config,
     if not getattr(generation_config, "is_assistant", False):
         _check_prompt(model, input_ids)
     was_empty = not cache.is_released and cache.batch_size == 0
-    cache.start_from_prompt(input_ids, kwargs.get("attention_mask"))
+    if not cache.is_released and _prompt_beyond_token_ids(model, inputs, kwargs):
+        cache.stop_prefix_caching()
+    lookup = not _outputs_every_position(model, generation_config, kwargs)
+    cache.start_from_prompt(input_ids, kwargs.get("attention_mask"), lookup)
     try:
-        with attention_implementation(model, paged_attention_for(model, cache.cache_config)):
+        implementation = paged_attention_for(
+            model, cache.cache_config, _asks_for_attentions(model, generation_config, kwargs)
+        )
+        with attention_implementation(model, implementation):
             return _original_generate(model, inputs, generation_config, **kwargs)
     except BaseException:
         if was_empty and not cache.is_released:
@@ -269,6 +346,11 @@ def _generate(model, inputs, generation_config, kwargs: dict):
         return _generate_on_user_cache(model, user_cache, inputs, generation_config, input_ids, kwargs)
     if source is None:
         return _original_generate(model, inputs, generation_config, **kwargs)
+    if not _uses_cache(model, generation_config, kwargs):
+        # `use_cache=False`: stock builds no cache and recomputes the whole sequence every step; so does this call
+        kwargs.pop("cache_implementation", None)
+        kwargs.pop("cache_config", None)
+        return _original_generate(model, inputs, generation_config, **kwargs)
 
     if user_cache is not None:
         raise ValueError(
@@ -277,9 +359,11 @@ def _generate(model, inputs, generation_config, kwargs: dict):
         )
     check_supported(model)
     config = _cache_config_of(model, generation_config, kwargs)
-    implementation = paged_attention_for(model, config)
+    implementation = paged_attention_for(model, config, _asks_for_attentions(model, generation_config, kwargs))
     if not getattr(generation_config, "is_assistant", False):
         _check_prompt(model, input_ids)
+    if config.resolved_prefix_caching and _prompt_beyond_token_ids(model, inputs, kwargs):
+        config = dataclasses.replace(config, prefix_caching=False)
     kwargs.pop("cache_implementation", None)
     kwargs.pop("cache_config", None)
     request = _PagedRequest(model, config, input_ids, kwargs.get("attention_mask"))
@@ -322,7 +406,8 @@ def _prepare_paged_cache(self, generation_config, model_kwargs, generation_mode,
         )
     request.cache = PagedCache(self, **request.config.options())
     if model_kwargs.get("inputs_embeds") is None and generation_mode in _MODES_THAT_SLICE_A_STARTED_CACHE:
-        request.cache.start_from_prompt(request.input_ids, request.attention_mask)
+        lookup = not _outputs_every_position(self, generation_config, {})
+        request.cache.start_from_prompt(request.input_ids, request.attention_mask, lookup)
     model_kwargs["past_key_values"] = request.cache
     if generation_config.is_assistant:
         request.cache.activate_past_recording()

@@ -32,6 +32,25 @@ class PagedLayer(CacheLayerMixin):
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
 
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """This layer's keys as a dense `[batch, num_kv_heads, length, head_dim]` copy gathered through the block
+        tables, left pads zero (see `PagedCache.dense_layer`); `None` while the cache is empty. Read-only."""
+        return self._cache.dense_layer(self.layer_idx)[0]
+
+    @keys.setter
+    def keys(self, value) -> None:
+        _refuse_assignment("keys", value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """This layer's values, laid out as `keys`. Read-only."""
+        return self._cache.dense_layer(self.layer_idx)[1]
+
+    @values.setter
+    def values(self, value) -> None:
+        _refuse_assignment("values", value)
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self._cache.pool.storage.ensure_layer(self.layer_idx, key_states.transpose(1, 2))
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -61,6 +80,13 @@ class PagedLayer(CacheLayerMixin):
 
     def reset(self) -> None:  # token bookkeeping is cache-wide; see PagedCache.reset
         pass
+
+
+def _refuse_assignment(name: str, value) -> None:
+    if value is not None:  # `CacheLayerMixin.__init__` assigns None
+        raise AttributeError(
+            f"PagedLayer.{name} is a read-only view of the block pool; write K/V through PagedCache.update"
+        )
 
 
 def layer_windows(model: torch.nn.Module, text_config) -> list[int | None]:

@@ -125,7 +125,8 @@ class BlockPool:
         self.allocator.reset_peak()
 
     def clear_prefix_cache(self) -> None:
-        """Forget cached prefixes; call it after changing the model's weights (training, merging adapters)."""
+        """Forget cached prefixes. Changed weights are noticed without it (see `prefix.weights_key`), except an edit
+        through `.data` of a few elements outside the sampled ones: call it after such an edit."""
         self.allocator.clear_prefix_cache()
 
     def __repr__(self) -> str:
@@ -227,6 +228,7 @@ def get_pool(model: torch.nn.Module, **cache_config) -> BlockPool:
     ```
     """
     config = cache_config.pop("config", None) or PagedCacheConfig.from_dict(cache_config)
+    model = generating_model(model)
     with _pools_lock:
         pool = _pools.get(model)
         if pool is not None and config == PagedCacheConfig():
@@ -257,7 +259,16 @@ def get_pool(model: torch.nn.Module, **cache_config) -> BlockPool:
 def release_pool(model: torch.nn.Module) -> None:
     """Forget the model's pool (its memory goes when the last cache using it is gone)."""
     with _pools_lock:
-        _pools.pop(model, None)
+        _pools.pop(generating_model(model), None)
+
+
+def generating_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model that runs `generate` for `model`: a PEFT `PeftModel` hands its calls to its base
+    model, whose pool it shares; any other model is its own."""
+    get_base_model = getattr(model, "get_base_model", None)
+    if callable(get_base_model) and type(model).__module__.startswith("peft."):
+        return get_base_model()
+    return model
 
 
 def live_pools() -> list[BlockPool]:

