@@ -29,7 +29,7 @@ from kv_memory import sharegpt_like_requests
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 import hf_paged
-from hf_paged import KVShape
+from hf_paged.pool import KVShape
 
 
 def workload(num_requests: int, scale: float, max_length: int, vocab_size: int, seed: int = 0):

@@ -2,56 +2,45 @@
 
 `import hf_paged` registers the `"hf_paged"` attention and makes `model.generate(..., cache_implementation="paged")`
 run on a `PagedCache` backed by the model's global block pool.
+
+The names below are what users call: the cache, the pool and its allocator, the cache options, the Engine, the
+errors, and pictures of the pool. Plumbing stays importable from its module (`hf_paged.attention`,
+`hf_paged.forward`, `hf_paged.storage`, `hf_paged.groups`, `hf_paged.accounting`, ...).
 """
 
-from .accounting import Footprint, naive_footprint, paged_footprint
-from .allocator import AllocatorStats, BlockAllocator, BlockCopy, BlockTable
-from .attention import ATTENTION_NAME, paged_attention_forward
+from .allocator import AllocatorStats, BlockAllocator, BlockTable
 from .cache import CacheStats, PagedCache
-from .config import PagedCacheConfig, parse_memory
+from .config import PagedCacheConfig
 from .engine import Engine, EngineStats, RequestOutput, SamplingParams
 from .errors import InvariantError, PoolExhaustedError
-from .generation import attention_implementation, disable, enable, is_enabled
-from .groups import KVLayout, LayerGroup
-from .layer import PagedLayer
-from .pool import BlockPool, KVShape, get_pool, live_pools, release_pool
-from .storage import KVStorage
+from .generation import disable, enable, is_enabled
+from .pool import BlockPool, get_pool, live_pools, release_pool
+from .visual import plot_pool, render_pool_text
 
 __version__ = "0.1.0"
 
 enable()
 
 __all__ = [
-    "ATTENTION_NAME",
     "AllocatorStats",
     "BlockAllocator",
-    "BlockCopy",
     "BlockPool",
     "BlockTable",
     "CacheStats",
     "Engine",
     "EngineStats",
-    "Footprint",
     "InvariantError",
-    "LayerGroup",
-    "KVLayout",
-    "KVShape",
-    "KVStorage",
     "PagedCache",
     "PagedCacheConfig",
-    "PagedLayer",
     "PoolExhaustedError",
     "RequestOutput",
     "SamplingParams",
-    "attention_implementation",
     "disable",
     "enable",
     "get_pool",
     "is_enabled",
     "live_pools",
-    "naive_footprint",
-    "paged_attention_forward",
-    "paged_footprint",
-    "parse_memory",
+    "plot_pool",
     "release_pool",
+    "render_pool_text",
 ]

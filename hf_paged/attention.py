@@ -2,43 +2,13 @@
 
 from __future__ import annotations
 
-import threading
-
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-ATTENTION_NAME = "hf_paged"
+from .config import ATTENTION_NAME
+from .forward import bound_paged_cache
 
-_bound = threading.local()
-
-
-def _bindings() -> list:
-    if not hasattr(_bound, "stack"):
-        _bound.stack = []
-    return _bound.stack
-
-
-def bind_paged_cache(owner: torch.nn.Module, cache) -> None:
-    """Make `cache` (a `PagedCache`, or `None`) what `paged_attention_forward` reads in this thread until
-    `unbind_paged_cache(owner)`: hf_paged's forward hooks bind around every forward of a model that has met a paged
-    cache, so its attention finds the cache even when the model does not pass keyword arguments down to its
-    attention modules. Bindings nest; a stale one of `owner` (a forward interrupted by `KeyboardInterrupt`) is
-    dropped."""
-    stack = _bindings()
-    stack[:] = [entry for entry in stack if entry[0] is not owner]
-    stack.append((owner, cache))
-
-
-def unbind_paged_cache(owner: torch.nn.Module) -> None:
-    stack = _bindings()
-    if stack and stack[-1][0] is owner:
-        stack.pop()
-
-
-def bound_paged_cache():
-    """The `PagedCache` bound to this thread's running forward, or `None`."""
-    stack = _bindings()
-    return stack[-1][1] if stack else None
+__all__ = ["ATTENTION_NAME", "eager_paged_attention", "paged_attention_forward"]
 
 
 def _repeat_kv(hidden: torch.Tensor, n_rep: int) -> torch.Tensor:

@@ -11,6 +11,7 @@ from transformers.cache_utils import Cache
 
 from .allocator import BlockAllocator, tokens_per_block
 from .config import PagedCacheConfig
+from .forward import ForwardBoundCache, attach_to_model
 from .groups import KVLayout
 from .layer import PagedLayer, layer_windows
 from .plan import ForwardInputs, ForwardPlan, address_tables, duplicate_row_leaders, extend_addressing
@@ -56,7 +57,7 @@ def _free_rows(allocator: BlockAllocator, rows: list[Row]) -> None:
         rows.clear()
 
 
-class PagedCache(Cache):
+class PagedCache(Cache, ForwardBoundCache):
     """A KV cache whose rows own block tables in the model's global `BlockPool`.
 
     Blocks are taken one at a time as tokens arrive, pad tokens of left-padded batches are never stored, rows that
@@ -100,8 +101,6 @@ class PagedCache(Cache):
     """
 
     def __init__(self, model: torch.nn.Module, **cache_config):
-        from .generation import attach_to_model
-
         self.cache_config = PagedCacheConfig.from_dict(cache_config)
         check_supported(model)
         text_config = model.config.get_text_config(decoder=True)

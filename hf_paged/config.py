@@ -10,7 +10,8 @@ DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CPU_KV_BYTES = 1024**3
 DEFAULT_MAX_BLOCKS = 65536  # cap of the default sizing only (explicit num_blocks / max_memory are not capped)
 DEFAULT_GPU_MEMORY_FRACTION = 0.9
-DEFAULT_ATTN_IMPLEMENTATION = "hf_paged"
+ATTENTION_NAME = "hf_paged"  # the paged attention's name in transformers' attention and mask interfaces
+DEFAULT_ATTN_IMPLEMENTATION = ATTENTION_NAME
 
 _UNITS = {
     "": 1,

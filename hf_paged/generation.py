@@ -9,8 +9,7 @@
 - `_prepare_cache_for_generation`: where `generate` builds its cache; for a paged request it builds a `PagedCache`
   from `cache_config`.
 
-Forward hooks on each model that meets a `PagedCache` hand the cache the forward's 2D attention mask (so pad tokens
-are never stored) and, under the `"hf_paged"` attention, bind the cache for the attention function to read.
+The forward hooks and the attention switch it uses live in `forward.py`.
 """
 
 from __future__ import annotations
@@ -28,17 +27,22 @@ from transformers.generation.utils import GenerationMixin
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils import ModelOutput
 
-from .attention import ATTENTION_NAME, bind_paged_cache, paged_attention_forward, unbind_paged_cache
+from .attention import paged_attention_forward
 from .cache import PagedCache
-from .config import PagedCacheConfig
-from .plan import ForwardInputs
+from .config import ATTENTION_NAME, PagedCacheConfig
+from .forward import (
+    TOKEN_INPUTS_OF_GENERATE,
+    attach_to_model,
+    attention_implementation,
+    inputs_beyond_token_ids,
+    paged_attention_for,
+)
 from .support import check_supported
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_TRANSFORMERS = (">=5.23", "<5.24")
 PAGED = "paged"
-EAGER = "eager"
 # Decoding loops whose prefill feeds only the prompt positions the cache does not hold yet; the others (assisted
 # decoding feeds the whole prompt on its first iteration) must start from an empty cache.
 _MODES_THAT_SLICE_A_STARTED_CACHE = {
@@ -51,8 +55,6 @@ _MODES_THAT_SLICE_A_STARTED_CACHE = {
 _original_generate = GenerationMixin.generate
 _original_prepare_cache = GenerationMixin._prepare_cache_for_generation
 _state = threading.local()
-_switch_lock = threading.Lock()
-_switched: dict[int, list] = {}  # id(model) -> [users, previous implementation]
 
 
 def is_enabled() -> bool:
@@ -74,96 +76,6 @@ def disable() -> None:
     GenerationMixin._prepare_cache_for_generation = _original_prepare_cache
     AttentionInterface._global_mapping.pop(ATTENTION_NAME, None)
     AttentionMaskInterface._global_mapping.pop(ATTENTION_NAME, None)
-
-
-# ---------------------------------------------------------------------- forward hooks
-def attach_to_model(model: torch.nn.Module) -> None:
-    """Install (once) the forward hooks that bind a `PagedCache` to each forward of `model`."""
-    if getattr(model, "_hf_paged_hook", None) is None:
-        model._hf_paged_hook = (
-            model.register_forward_pre_hook(_before_forward, with_kwargs=True),
-            model.register_forward_hook(_after_forward, always_call=True),
-        )
-
-
-# tensor inputs that decide no K/V beyond what the token ids say: of a `generate` call, of one forward of the model
-_TOKEN_INPUTS_OF_GENERATE = frozenset({"input_ids", "attention_mask"})
-_TOKEN_INPUTS_OF_FORWARD = frozenset({"input_ids", "attention_mask", "position_ids", "cache_position"})
-
-
-def _inputs_beyond_token_ids(kwargs: dict, token_inputs: frozenset) -> list[str]:
-    """Names of the tensor inputs in `kwargs` other than `token_inputs` (images, audio, `inputs_embeds`, custom
-    position ids...): K/V then depend on more than the token ids, so blocks cannot be addressed by token ids."""
-    return [
-        name
-        for name, value in kwargs.items()
-        if name not in token_inputs
-        and (
-            isinstance(value, torch.Tensor)
-            or (isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value))
-        )
-    ]
-
-
-def _before_forward(module: torch.nn.Module, args: tuple, kwargs: dict):
-    cache = kwargs.get("past_key_values")
-    if not isinstance(cache, PagedCache):
-        bind_paged_cache(module, None)
-        return None
-    reads_tables = module.config._attn_implementation == ATTENTION_NAME
-    inputs = ForwardInputs(
-        attention_mask=kwargs.get("attention_mask"),
-        input_ids=kwargs.get("input_ids"),
-        position_ids=kwargs.get("position_ids"),
-        reads_tables=reads_tables,
-    )
-    cache.bind_forward(module, inputs)
-    if cache.prefix_caching and _inputs_beyond_token_ids(kwargs, _TOKEN_INPUTS_OF_FORWARD):
-        cache.stop_prefix_caching()
-    bind_paged_cache(module, cache if reads_tables else None)
-    return None
-
-
-def _after_forward(module: torch.nn.Module, args: tuple, output) -> None:
-    unbind_paged_cache(module)
-
-
-# ---------------------------------------------------------------------- attention switch
-@contextmanager
-def attention_implementation(model: torch.nn.Module, implementation: str):
-    """Run the block with `model` on `implementation`, restoring the previous one afterwards (nesting and threads
-    sharing the model are counted: the last one out restores)."""
-    key = id(model)
-    with _switch_lock:
-        entry = _switched.get(key)
-        if entry is None:
-            previous = model.config._attn_implementation
-            if previous != implementation:
-                model.set_attn_implementation(implementation)
-            entry = _switched[key] = [0, previous]
-        elif (current := model.config._attn_implementation) != implementation:
-            raise RuntimeError(
-                f"{type(model).__name__} is running paged generation with attention {current!r} in another thread; "
-                f"cannot switch to {implementation!r} concurrently"
-            )
-        entry[0] += 1
-    try:
-        yield
-    finally:
-        with _switch_lock:
-            entry[0] -= 1
-            if entry[0] == 0:
-                del _switched[key]
-                if model.config._attn_implementation != entry[1]:
-                    model.set_attn_implementation(entry[1])
-
-
-def _own_attention(model: torch.nn.Module) -> str:
-    """The model's attention implementation outside paged calls (one running in another thread may have switched
-    it for its duration)."""
-    with _switch_lock:
-        entry = _switched.get(id(model))
-    return model.config._attn_implementation if entry is None else entry[1]
 
 
 # ---------------------------------------------------------------------- generate wrapper
@@ -229,34 +141,6 @@ def _cache_config_of(model, generation_config: GenerationConfig | None, kwargs: 
     return PagedCacheConfig.from_dict(_generation_option(model, generation_config, kwargs, "cache_config"))
 
 
-def paged_attention_for(model: torch.nn.Module, config: PagedCacheConfig, output_attentions: bool = False) -> str:
-    """The attention implementation a paged call runs on: `cache_config`'s `attn_implementation` when given; else
-    the model's own implementation when the call asks for attention weights or the model is set to eager attention
-    (the caller's choice is kept, reading the paged cache as dense K/V, so `output_attentions` gives exactly what
-    stock gives), and `"hf_paged"` otherwise. A model that hard-codes its attention classes (it does not dispatch
-    through transformers' `AttentionInterface`, e.g. Falcon) cannot be switched: it keeps its own attention, which
-    reads the paged cache as dense K/V; asking it for another implementation is refused."""
-    own = _own_attention(model)
-    keeps_own = output_attentions or own == EAGER
-    requested = config.attn_implementation or (own if keeps_own else config.resolved_attn_implementation)
-    current = model.config._attn_implementation
-    if requested == current or model._can_set_attn_implementation():
-        return requested
-    if config.attn_implementation is None:
-        logger.info(
-            "hf_paged: %s hard-codes its attention classes; it reads the paged cache through its own %r attention",
-            type(model).__name__,
-            current,
-        )
-        return current
-    raise ValueError(
-        f"{type(model).__name__} hard-codes its attention classes (it does not dispatch through transformers' "
-        f"AttentionInterface), so cache_config attn_implementation={requested!r} cannot be honoured; it reads the "
-        f"paged cache as dense K/V through its own {current!r} attention. Leave attn_implementation unset, or load "
-        f"the model with attn_implementation={requested!r}."
-    )
-
-
 def _assistant_cache_frames() -> list[list[PagedCache]]:
     if not hasattr(_state, "assistant_caches"):
         _state.assistant_caches = []
@@ -280,7 +164,7 @@ def _releasing_assistant_caches():
 def _prompt_beyond_token_ids(model, inputs, kwargs: dict) -> bool:
     """Whether this `generate` call's K/V depend on more than its token ids (then its blocks are not addressed by
     token ids: prefix caching is off for it)."""
-    extra = _inputs_beyond_token_ids(kwargs, _TOKEN_INPUTS_OF_GENERATE)
+    extra = inputs_beyond_token_ids(kwargs, TOKEN_INPUTS_OF_GENERATE)
     if isinstance(inputs, torch.Tensor) and getattr(model, "main_input_name", "input_ids") != "input_ids":
         extra.append(model.main_input_name)
     if extra:

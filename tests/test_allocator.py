@@ -16,8 +16,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from hf_paged import BlockAllocator, BlockCopy, InvariantError, PoolExhaustedError
+from hf_paged import BlockAllocator, InvariantError, PoolExhaustedError
 from hf_paged.accounting import naive_footprint, paged_footprint
+from hf_paged.allocator import BlockCopy
 from hf_paged.prefix import chain, root_hash
 from hf_paged.rows import dead_tokens
 

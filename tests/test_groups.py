@@ -9,8 +9,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hf_paged import KVLayout, LayerGroup, PagedCache, get_pool
-from hf_paged.groups import layer_kv_shapes
+from hf_paged import PagedCache, get_pool
+from hf_paged.groups import KVLayout, LayerGroup, layer_kv_shapes
 from hf_paged.pool import KVShape
 from hf_paged.reference_models import tiny_model
 

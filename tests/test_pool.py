@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_paged import KVShape, PagedCache, PagedCacheConfig, get_pool, parse_memory, release_pool
-from hf_paged.config import DEFAULT_CPU_KV_BYTES, DEFAULT_MAX_BLOCKS
+from hf_paged import PagedCache, PagedCacheConfig, get_pool, release_pool
+from hf_paged.config import DEFAULT_CPU_KV_BYTES, DEFAULT_MAX_BLOCKS, parse_memory
+from hf_paged.pool import KVShape
 from hf_paged.reference_models import tiny_model
 
 

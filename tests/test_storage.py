@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_paged import BlockCopy, KVStorage
+from hf_paged.allocator import BlockCopy
 from hf_paged.reference_models import tiny_model
+from hf_paged.storage import KVStorage
 
 
 def test_layout_is_blocks_by_slots_by_heads_by_dim():

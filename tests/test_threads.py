@@ -16,6 +16,7 @@ import torch
 
 import hf_paged
 from hf_paged import BlockAllocator, PagedCache, get_pool
+from hf_paged.forward import attention_implementation
 from hf_paged.prefix import chain, root_hash
 from hf_paged.reference_models import tiny_model
 
@@ -197,7 +198,7 @@ def test_negative_control_without_the_lock_the_hammer_breaks_the_allocator(yield
 
 def test_two_attention_implementations_at_once_are_refused(model):
     """A model runs one attention implementation at a time: a paged call needing another is refused, not mixed."""
-    with hf_paged.attention_implementation(model, "eager"):  # e.g. another thread generating with eager attention
+    with attention_implementation(model, "eager"):  # e.g. another thread generating with eager attention
         with pytest.raises(RuntimeError, match="running paged generation with attention 'eager' in another thread"):
             model.generate(input_ids=SYSTEM, max_new_tokens=2, pad_token_id=0, cache_implementation="paged")
     assert model.config._attn_implementation == "sdpa" and get_pool(model).stats().num_used == 0

@@ -13,7 +13,7 @@ import torch
 from transformers import GenerationConfig
 
 from ..cache import PagedCache
-from ..generation import attention_implementation, paged_attention_for
+from ..forward import attention_implementation, paged_attention_for
 from .params import SamplingParams
 from .request import Request, RequestOutput, RequestStatus
 from .sampler import next_tokens

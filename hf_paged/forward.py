@@ -1,0 +1,185 @@
+"""The running forward: hooks that hand a paged cache its forward's inputs, the per-thread binding the `"hf_paged"`
+attention reads the cache through, and the attention switch a paged call (`generate` or the Engine) runs under.
+
+The cache and the Engine import this module; it imports neither of them (a cache that wants its forward's inputs
+subclasses `ForwardBoundCache`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import contextmanager
+
+import torch
+
+from .config import ATTENTION_NAME, PagedCacheConfig
+from .plan import ForwardInputs
+
+logger = logging.getLogger(__name__)
+
+EAGER = "eager"
+# tensor inputs that decide no K/V beyond what the token ids say: of a `generate` call, of one forward of the model
+TOKEN_INPUTS_OF_GENERATE = frozenset({"input_ids", "attention_mask"})
+TOKEN_INPUTS_OF_FORWARD = frozenset({"input_ids", "attention_mask", "position_ids", "cache_position"})
+
+_bound = threading.local()
+_switch_lock = threading.Lock()
+_switched: dict[int, list] = {}  # id(model) -> [users, previous implementation]
+
+
+class ForwardBoundCache:
+    """A cache that is told about every forward of its model before it runs (`PagedCache`)."""
+
+    @property
+    def prefix_caching(self) -> bool:
+        raise NotImplementedError
+
+    def bind_forward(self, model: torch.nn.Module, inputs: ForwardInputs) -> None:
+        raise NotImplementedError
+
+    def stop_prefix_caching(self) -> None:
+        raise NotImplementedError
+
+
+# ---------------------------------------------------------------------- the cache bound to the running forward
+def _bindings() -> list:
+    if not hasattr(_bound, "stack"):
+        _bound.stack = []
+    return _bound.stack
+
+
+def bind_paged_cache(owner: torch.nn.Module, cache) -> None:
+    """Make `cache` (a `PagedCache`, or `None`) what `paged_attention_forward` reads in this thread until
+    `unbind_paged_cache(owner)`: the forward hooks bind around every forward of a model that has met a paged
+    cache, so its attention finds the cache even when the model does not pass keyword arguments down to its
+    attention modules. Bindings nest; a stale one of `owner` (a forward interrupted by `KeyboardInterrupt`) is
+    dropped."""
+    stack = _bindings()
+    stack[:] = [entry for entry in stack if entry[0] is not owner]
+    stack.append((owner, cache))
+
+
+def unbind_paged_cache(owner: torch.nn.Module) -> None:
+    stack = _bindings()
+    if stack and stack[-1][0] is owner:
+        stack.pop()
+
+
+def bound_paged_cache():
+    """The `PagedCache` bound to this thread's running forward, or `None`."""
+    stack = _bindings()
+    return stack[-1][1] if stack else None
+
+
+# ---------------------------------------------------------------------- forward hooks
+def attach_to_model(model: torch.nn.Module) -> None:
+    """Install (once) the forward hooks that bind a `ForwardBoundCache` to each forward of `model`."""
+    if getattr(model, "_hf_paged_hook", None) is None:
+        model._hf_paged_hook = (
+            model.register_forward_pre_hook(_before_forward, with_kwargs=True),
+            model.register_forward_hook(_after_forward, always_call=True),
+        )
+
+
+def inputs_beyond_token_ids(kwargs: dict, token_inputs: frozenset) -> list[str]:
+    """Names of the tensor inputs in `kwargs` other than `token_inputs` (images, audio, `inputs_embeds`, custom
+    position ids...): K/V then depend on more than the token ids, so blocks cannot be addressed by token ids."""
+    return [
+        name
+        for name, value in kwargs.items()
+        if name not in token_inputs
+        and (
+            isinstance(value, torch.Tensor)
+            or (isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value))
+        )
+    ]
+
+
+def _before_forward(module: torch.nn.Module, args: tuple, kwargs: dict):
+    cache = kwargs.get("past_key_values")
+    if not isinstance(cache, ForwardBoundCache):
+        bind_paged_cache(module, None)
+        return None
+    reads_tables = module.config._attn_implementation == ATTENTION_NAME
+    inputs = ForwardInputs(
+        attention_mask=kwargs.get("attention_mask"),
+        input_ids=kwargs.get("input_ids"),
+        position_ids=kwargs.get("position_ids"),
+        reads_tables=reads_tables,
+    )
+    cache.bind_forward(module, inputs)
+    if cache.prefix_caching and inputs_beyond_token_ids(kwargs, TOKEN_INPUTS_OF_FORWARD):
+        cache.stop_prefix_caching()
+    bind_paged_cache(module, cache if reads_tables else None)
+    return None
+
+
+def _after_forward(module: torch.nn.Module, args: tuple, output) -> None:
+    unbind_paged_cache(module)
+
+
+# ---------------------------------------------------------------------- attention switch
+@contextmanager
+def attention_implementation(model: torch.nn.Module, implementation: str):
+    """Run the block with `model` on `implementation`, restoring the previous one afterwards (nesting and threads
+    sharing the model are counted: the last one out restores)."""
+    key = id(model)
+    with _switch_lock:
+        entry = _switched.get(key)
+        if entry is None:
+            previous = model.config._attn_implementation
+            if previous != implementation:
+                model.set_attn_implementation(implementation)
+            entry = _switched[key] = [0, previous]
+        elif (current := model.config._attn_implementation) != implementation:
+            raise RuntimeError(
+                f"{type(model).__name__} is running paged generation with attention {current!r} in another thread; "
+                f"cannot switch to {implementation!r} concurrently"
+            )
+        entry[0] += 1
+    try:
+        yield
+    finally:
+        with _switch_lock:
+            entry[0] -= 1
+            if entry[0] == 0:
+                del _switched[key]
+                if model.config._attn_implementation != entry[1]:
+                    model.set_attn_implementation(entry[1])
+
+
+def _own_attention(model: torch.nn.Module) -> str:
+    """The model's attention implementation outside paged calls (one running in another thread may have switched
+    it for its duration)."""
+    with _switch_lock:
+        entry = _switched.get(id(model))
+    return model.config._attn_implementation if entry is None else entry[1]
+
+
+def paged_attention_for(model: torch.nn.Module, config: PagedCacheConfig, output_attentions: bool = False) -> str:
+    """The attention implementation a paged call runs on: `cache_config`'s `attn_implementation` when given; else
+    the model's own implementation when the call asks for attention weights or the model is set to eager attention
+    (the caller's choice is kept, reading the paged cache as dense K/V, so `output_attentions` gives exactly what
+    stock gives), and `"hf_paged"` otherwise. A model that hard-codes its attention classes (it does not dispatch
+    through transformers' `AttentionInterface`, e.g. Falcon) cannot be switched: it keeps its own attention, which
+    reads the paged cache as dense K/V; asking it for another implementation is refused."""
+    own = _own_attention(model)
+    keeps_own = output_attentions or own == EAGER
+    requested = config.attn_implementation or (own if keeps_own else config.resolved_attn_implementation)
+    current = model.config._attn_implementation
+    if requested == current or model._can_set_attn_implementation():
+        return requested
+    if config.attn_implementation is None:
+        logger.info(
+            "hf_paged: %s hard-codes its attention classes; it reads the paged cache through its own %r attention",
+            type(model).__name__,
+            current,
+        )
+        return current
+    raise ValueError(
+        f"{type(model).__name__} hard-codes its attention classes (it does not dispatch through transformers' "
+        f"AttentionInterface), so cache_config attn_implementation={requested!r} cannot be honoured; it reads the "
+        f"paged cache as dense K/V through its own {current!r} attention. Leave attn_implementation unset, or load "
+        f"the model with attn_implementation={requested!r}."
+    )
