@@ -158,7 +158,6 @@ class BlockAllocator:
         self._table_ids = itertools.count()
         self._peak_used = 0
         self._cow_copies = 0
-        self.copy_on_write = True  # test-only switch: False writes into shared blocks (to prove tests catch it)
         # prefix cache: content hash <-> full block, and blocks no table holds that keep their content (LRU first)
         self._hash_to_block: dict[bytes, int] = {}
         self._block_hash: dict[int, bytes] = {}
@@ -214,13 +213,14 @@ class BlockAllocator:
                 if num_new_tokens == 0:
                     continue
                 room = len(table.block_ids) * self.block_size - table.num_tokens
-                if room > 0 and self.copy_on_write:
+                if room > 0 and self._needs_copy_on_write(table.block_ids[-1]):
                     writers[table.block_ids[-1]] = writers.get(table.block_ids[-1], 0) + 1
                 total += _num_blocks_for(max(0, num_new_tokens - room), self.block_size)
             return total + sum(min(k, self._ref_counts[b] - 1) for b, k in writers.items())
 
-    def can_append(self, table: BlockTable, num_new_tokens: int) -> bool:
-        return self.num_blocks_needed(table, num_new_tokens) <= self.num_free
+    def _needs_copy_on_write(self, block_id: int) -> bool:
+        """Whether a table writing into `block_id` must first replace it by a private copy: the block is shared."""
+        return self._ref_counts[block_id] > 1
 
     # ------------------------------------------------------------------ table lifecycle
     def new_table(self) -> BlockTable:
@@ -264,7 +264,7 @@ class BlockAllocator:
 
     def _append_checked(self, table: BlockTable, num_new_tokens: int, copies: list[BlockCopy]) -> None:
         room = len(table.block_ids) * self.block_size - table.num_tokens
-        if room > 0 and self.copy_on_write and self._ref_counts[table.block_ids[-1]] > 1:
+        if room > 0 and self._needs_copy_on_write(table.block_ids[-1]):
             src = table.block_ids[-1]
             dst = self._take_free_block()
             self._ref_counts[src] -= 1
@@ -279,7 +279,7 @@ class BlockAllocator:
             table.block_ids.append(self._take_free_block())
         for index in range(first_written, len(table.block_ids)):
             block_id = table.block_ids[index]
-            if self._ref_counts[block_id] != 1 and self.copy_on_write:
+            if self._needs_copy_on_write(block_id):
                 raise InvariantError(
                     f"invariant 5: about to write into block {block_id} with refcount {self._ref_counts[block_id]}"
                 )
