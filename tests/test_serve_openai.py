@@ -263,6 +263,7 @@ def test_response_format_text_is_accepted(client):
 # ---------------------------------------------------------------------------------------------- 7: errors
 ERRORS = {
     "lone-surrogate": ("chat", '{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', "messages.0.content"),
+    "surrogate-key": ("completions", '{"model": "tiny", "prompt": "hi", "\\ud800": 1}', "\\ud800"),
     "malformed-json": ("completions", '{"model": "tiny", "prompt": "hi", "max_tokens": 34', None),
     "seed-2**64": ("completions", json.dumps({"model": TINY, "prompt": "hi", "seed": 2**64}), "seed"),
     "1000-stop-strings": ("completions", json.dumps({"model": TINY, "prompt": "hi", "stop": ["x"] * 1000}), "stop"),

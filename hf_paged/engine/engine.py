@@ -163,6 +163,17 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    @property
+    def num_steps(self) -> int:
+        """Forwards run since the last `reset_stats()` (cheap, unlike `stats()`)."""
+        return self._counters["steps"]
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Share of admitted prompt tokens taken from the prefix cache since the last `reset_stats()` (cheap)."""
+        counters = self._counters
+        return counters["reused_tokens"] / counters["admitted_tokens"] if counters["admitted_tokens"] else 0.0
+
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """Run one forward (prefill or decode) and return the output of every request that changed; finished

@@ -127,7 +127,8 @@ def _surrogate_path(value, path: str = "") -> str | None:
         return path if _has_surrogate(value) else None
     if isinstance(value, dict):
         for key, item in value.items():
-            inner = f"{path}.{key}" if path else str(key)
+            key_text = key.encode("utf-8", "backslashreplace").decode("utf-8")  # a surrogate key, spelled out
+            inner = f"{path}.{key_text}" if path else key_text
             if _has_surrogate(key):
                 return inner
             found = _surrogate_path(item, inner)

@@ -28,7 +28,8 @@ class EngineLoop:
     """Steps `engine` on a background thread whenever requests are pending. `submit` and `abort` only enqueue: the
     thread adds and aborts requests between two steps (an abort therefore takes effect within one step, and frees
     the request's blocks at once), then runs the next step and hands every output to its request's `deliver`
-    callback. After every step it publishes a `MetricsSnapshot` (`snapshot`).
+    callback. It publishes a `MetricsSnapshot` (`snapshot`) after a step when requests were admitted or finished, at
+least every `snapshot_interval_s` seconds, and whenever it becomes idle.
 
     Shutdown: `begin_shutdown(grace_s)` refuses new requests (`submit` raises `ShuttingDown`) and lets running
     ones continue for `grace_s` seconds; then every request left is aborted (its output finishes with
@@ -55,7 +56,7 @@ class EngineLoop:
     ```
     """
 
-    def __init__(self, engine: Engine, *, snapshot_interval_s: float = 0.02):
+    def __init__(self, engine: Engine, *, snapshot_interval_s: float = 0.25):
         self.engine = engine
         self.totals = {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0}
         self.snapshot_interval_s = snapshot_interval_s
@@ -199,5 +200,10 @@ class EngineLoop:
 
     def _publish(self, force: bool = False) -> None:
         now = time.monotonic()
-        if force or now - self.snapshot.taken_at >= self.snapshot_interval_s:
+        values = self.snapshot.values
+        changed = (
+            values["hf_paged_requests_running"] != self.engine.num_running
+            or values["hf_paged_requests_waiting"] != self.engine.num_waiting
+        )
+        if force or changed or now - self.snapshot.taken_at >= self.snapshot_interval_s:
             self.snapshot = MetricsSnapshot.take(self.engine, self.totals, now)

@@ -41,7 +41,6 @@ class MetricsSnapshot:
     def take(cls, engine: Engine, totals: dict[str, int], taken_at: float) -> MetricsSnapshot:
         """Read `engine` and its pool; call it from the thread that steps the engine, between steps."""
         pool = engine.pool.stats()
-        stats = engine.stats()
         values = {
             "hf_paged_kv_blocks_used": pool.num_used,
             "hf_paged_kv_blocks_free": pool.num_free,
@@ -49,14 +48,14 @@ class MetricsSnapshot:
             "hf_paged_kv_blocks_cached": pool.num_cached,
             "hf_paged_kv_usage_ratio": pool.num_used / pool.num_blocks if pool.num_blocks else 0.0,
             "hf_paged_kv_waste_ratio": pool.waste_fraction,
-            "hf_paged_prefix_hit_ratio": stats.prefix_hit_rate,
+            "hf_paged_prefix_hit_ratio": engine.prefix_hit_rate,
             "hf_paged_preemptions_total": engine.scheduler.num_preemptions,
             "hf_paged_requests_running": engine.num_running,
             "hf_paged_requests_waiting": engine.num_waiting,
             "hf_paged_requests_total": totals["requests"],
             "hf_paged_prompt_tokens_total": totals["prompt_tokens"],
             "hf_paged_generation_tokens_total": totals["generation_tokens"],
-            "hf_paged_engine_steps_total": stats.num_steps,
+            "hf_paged_engine_steps_total": engine.num_steps,
         }
         return cls({name: float(value) for name, value in values.items()}, taken_at)
 
