@@ -97,6 +97,15 @@ def run_streams(base: str, count: int):
 def test_sigint_with_four_streams_waits_the_grace_period_then_aborts_and_exits_cleanly(tiny_dir):
     process = start(tiny_dir, "--num-blocks", "1024", "--shutdown-grace", str(GRACE_S), "--log-level", "info")
     threads, events = run_streams(process.base, 4)
+    answer = {}
+
+    def ask():  # a non-streaming request in flight too
+        body = {"model": TINY, "prompt": "Essay:", "max_tokens": 3000, "min_tokens": 3000}
+        answer["response"] = httpx.post(f"{process.base}/v1/completions", json=body, headers=HEADERS, timeout=60)
+
+    threads.append(threading.Thread(target=ask))
+    threads[-1].start()
+    wait_for_running(process.base, 5)
     interrupted = time.monotonic()
     process.interrupt()
     code = process.process.wait(timeout=GRACE_S + 5)
@@ -106,6 +115,8 @@ def test_sigint_with_four_streams_waits_the_grace_period_then_aborts_and_exits_c
     output = process.close()
     assert code == 0 and exited < GRACE_S + 5, (code, exited, output)
     assert "Traceback" not in output and "stopped; 0 KV blocks in use" in output, output
+    assert answer["response"].status_code == 503
+    assert answer["response"].json()["error"]["code"] == "server_shutdown"
     for stream in events:
         last_time, last = stream[-1]
         error = json.loads(last)["error"]
