@@ -45,3 +45,6 @@ def test_body_limit_and_shutdown_grace_are_options(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "m", "--max-body-size", "lots"])
     assert "is not a memory size" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--shutdown-grace", "-1"])
+    assert "the grace period must be >= 0 seconds, got -1" in capsys.readouterr().err

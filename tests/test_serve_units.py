@@ -48,7 +48,7 @@ def test_bad_bodies_name_the_field(raw, param, message):
 def test_a_surrogate_deep_in_chat_messages_is_located():
     raw = b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}'
     assert parse_error(raw, ChatCompletionRequest).param == "messages.0.content.0.text"
-    fine = parse_body('{"model": "m", "prompt": "\\ud83d\\ude00"}'.encode(), CompletionRequest)  # a pair is fine
+    fine = parse_body(b'{"model": "m", "prompt": "\\ud83d\\ude00"}', CompletionRequest)  # a pair is fine
     assert fine.prompt == "\U0001f600"
 
 

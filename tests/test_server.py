@@ -162,8 +162,14 @@ def test_32_concurrent_streaming_clients_share_the_batch(server, client):
 
 def test_a_client_disconnect_aborts_its_request(server):
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 2000, "min_tokens": 2000,
-            "temperature": 0, "stream": True}  # fmt: skip  (forced long: end-of-sequence suppressed)
+    body = {
+        "model": MODEL,
+        "prompt": "Tell me a very long story.",
+        "max_tokens": 2000,
+        "min_tokens": 2000,
+        "temperature": 0,
+        "stream": True,
+    }  # fmt: skip  (forced long: end-of-sequence suppressed)
     with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=headers, timeout=60) as response:
         for line in response.iter_lines():
             if line.startswith("data:") and '"text": ""' not in line:

@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--shutdown-grace",
-        type=float,
+        type=_seconds,
         default=DEFAULT_SHUTDOWN_GRACE_S,
         help="seconds in-flight requests may run after SIGINT/SIGTERM before they are aborted "
         f"(default {DEFAULT_SHUTDOWN_GRACE_S:g})",
@@ -65,6 +65,16 @@ def _size(value: str) -> int:
         return parse_memory(int(value) if value.isdigit() else value)
     except (TypeError, ValueError) as error:
         raise argparse.ArgumentTypeError(str(error).replace("max_memory", "size")) from None
+
+
+def _seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+    if not 0 <= seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"the grace period must be >= 0 seconds, got {value}")
+    return seconds
 
 
 def api_key(args) -> str | None:

@@ -28,8 +28,8 @@ class EngineLoop:
     """Steps `engine` on a background thread whenever requests are pending. `submit` and `abort` only enqueue: the
     thread adds and aborts requests between two steps (an abort therefore takes effect within one step, and frees
     the request's blocks at once), then runs the next step and hands every output to its request's `deliver`
-    callback. It publishes a `MetricsSnapshot` (`snapshot`) after a step when requests were admitted or finished, at
-least every `snapshot_interval_s` seconds, and whenever it becomes idle.
+    callback. It publishes a `MetricsSnapshot` (`snapshot`) after a step that admitted or finished requests, at
+    least every `snapshot_interval_s` seconds while it steps, and whenever it becomes idle.
 
     Shutdown: `begin_shutdown(grace_s)` refuses new requests (`submit` raises `ShuttingDown`) and lets running
     ones continue for `grace_s` seconds; then every request left is aborted (its output finishes with
@@ -125,23 +125,31 @@ least every `snapshot_interval_s` seconds, and whenever it becomes idle.
 
     def _run(self) -> None:
         while not self._stopped:
-            self._drain_inbox()
-            if self._deadline is not None and time.monotonic() >= self._deadline:
-                self._abort_everything()
-            if not self.engine.has_unfinished_requests():
-                self._publish(force=True)
-                timeout = 0.5 if self._deadline is None else max(0.0, min(0.5, self._deadline - time.monotonic()))
-                self._wake.wait(timeout=timeout)
-                self._wake.clear()
-                continue
             try:
-                outputs = self.engine.step()
-            except Exception:  # the failed batch's requests are reported with the error on the next step
-                logger.exception("hf_paged: an engine step failed")
-                continue
-            for output in outputs:
-                self._deliver(output)
-            self._publish()
+                self._iterate()
+            except Exception:  # noqa: BLE001 - the thread must outlive any bug, or every handler would hang
+                logger.exception("hf_paged: the engine loop failed; it keeps running")
+                time.sleep(0.1)
+
+    def _iterate(self) -> None:
+        """Take queued adds and aborts, then run one step (or wait for work)."""
+        self._drain_inbox()
+        if self._deadline is not None and time.monotonic() >= self._deadline:
+            self._abort_everything()
+        if not self.engine.has_unfinished_requests():
+            self._publish(force=True)
+            timeout = 0.5 if self._deadline is None else max(0.0, min(0.5, self._deadline - time.monotonic()))
+            self._wake.wait(timeout=timeout)
+            self._wake.clear()
+            return
+        try:
+            outputs = self.engine.step()
+        except Exception:  # the failed batch's requests are reported with the error on the next step
+            logger.exception("hf_paged: an engine step failed")
+            return
+        for output in outputs:
+            self._deliver(output)
+        self._publish()
 
     def _drain_inbox(self) -> None:
         while True:

@@ -85,7 +85,8 @@ class Reply:
     def opening_chunks(self, n: int) -> list[str]:
         """Events sent before any token: chat's assistant role, or completions' echoed prompt."""
         if self.chat:
-            return [self._event(self._chat_choice(i, {"role": "assistant", "content": ""}, None, None)) for i in range(n)]
+            role = {"role": "assistant", "content": ""}
+            return [self._event(self._chat_choice(i, role, None, None)) for i in range(n)]
         if self.echo:
             return [self._event(self._text_choice(i, self.echo, None, None)) for i in range(n)]
         return []

@@ -92,7 +92,8 @@ def create_app(
     async def completions(request: Request):
         body = await _parse(request, CompletionRequest)
         _check(body, model_name)
-        encoder.check_evident_length(len(body.prompt), "prompt")
+        if isinstance(body.prompt, str):  # token ids are checked against the context below, before submitting
+            encoder.check_evident_length(len(body.prompt), "prompt")
         prompt_ids = await asyncio.to_thread(encoder.encode, body.prompt)
         echo = ""
         if body.echo:

@@ -1,6 +1,7 @@
 """`GracefulServer`: uvicorn's server with a bounded shutdown. The first SIGINT/SIGTERM stops admitting requests
 and gives those in flight a grace period, after which they are aborted (streams get a final error event); a second
-one aborts them at once, a third stops waiting for connections. Signals are not re-raised afterwards, so the process exits normally, without a traceback."""
+one aborts them at once, a third stops waiting for connections. Signals are not re-raised afterwards, so the
+process exits normally, without a traceback."""
 
 from __future__ import annotations
 
