@@ -61,10 +61,15 @@ def test_a_surrogate_deep_in_chat_messages_is_located():
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"audio": {"voice": "x"}}, "audio"),
+        ({"messages": [{"role": "user", "content": "hi", "name": "ann"}]}, "messages.0.name"),
+        (
+            {"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "b", "tool_call_id": "1"}]},
+            "messages.1.tool_call_id",
+        ),
     ],
 )
 def test_fields_that_cannot_be_honoured_are_named(fields, param):
-    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], **fields)
+    body = ChatCompletionRequest(**{"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields})
     assert unsupported_fields(body)[0] == param
 
 

@@ -204,8 +204,11 @@ class Engine:
             logits = self._forward(step)
             done = [i for i, r in enumerate(step.requests) if r.row.num_tokens == r.num_tokens]
             sampled = [step.requests[i] for i in done]
-            tokens = next_tokens(sampled, logits[done]) if sampled else []
-            logprobs = token_logprobs(sampled, logits[done], tokens) if sampled else []
+            tokens, logprobs = [], []
+            if sampled:
+                logits = logits[done]
+                tokens = next_tokens(sampled, logits)
+                logprobs = token_logprobs(sampled, logits, tokens)
         except BaseException as error:
             for request in step.requests:
                 self.scheduler.finish(request, "error", f"{type(error).__name__}: {error}")

@@ -95,7 +95,6 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
-    name: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -118,7 +117,7 @@ def unsupported_fields(body: SamplingFields) -> tuple[str, str] | None:
     ```
     """
     for name, value in (body.model_extra or {}).items():
-        if value is None or value is False or value == [] or value == {}:  # the field's "off" value
+        if _is_off(value):
             continue
         if name in _TOOL_FIELDS:
             return name, f"{name}: tool and function calling is not supported by this server"
@@ -131,6 +130,10 @@ def unsupported_fields(body: SamplingFields) -> tuple[str, str] | None:
         if body.top_logprobs is not None and not body.logprobs:
             return "top_logprobs", "top_logprobs: needs logprobs set to true"
         for index, message in enumerate(body.messages):
+            for name, value in (message.model_extra or {}).items():  # name, tool_calls, tool_call_id, audio, ...
+                if not _is_off(value):
+                    where = f"messages.{index}.{name}"
+                    return where, f"{where}: this message field is not supported by this server"
             if isinstance(message.content, list):
                 for part in message.content:
                     if part.get("type") != "text" or not isinstance(part.get("text"), str):
@@ -139,6 +142,11 @@ def unsupported_fields(body: SamplingFields) -> tuple[str, str] | None:
     if isinstance(body, CompletionRequest) and body.echo and body.logprobs is not None:
         return "logprobs", "logprobs: not supported together with echo (prompt log-probabilities are not computed)"
     return None
+
+
+def _is_off(value) -> bool:
+    """Whether a field's value asks for nothing (`null`, `false`, `[]`, `{}`, `""`)."""
+    return value is None or value is False or value == [] or value == {} or value == ""
 
 
 def message_text(message: ChatMessage) -> str:
