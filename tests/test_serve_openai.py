@@ -432,5 +432,5 @@ def test_health_and_metrics_answer_during_a_long_prefill(server):
     assert result["status"] == 200
     assert metric(server, "hf_paged_engine_steps_total") == steps_before + 1  # one prefill of 8,000 tokens
     during = [t for t in starts if result["start"] + 0.05 < t < result["end"] - 0.05]
-    assert result["end"] - result["start"] > 0.3 and len(during) >= 3, (result, len(during))
+    assert len(during) >= 3, (result, len(during))  # polls answered while the prefill step ran
     assert max(latencies) < 0.1, max(latencies)
