@@ -34,3 +34,17 @@ def test_a_command_is_required(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args([])
     assert "serve" in capsys.readouterr().err
+
+
+def test_body_limit_and_shutdown_grace_are_options(capsys):
+    defaults = build_parser().parse_args(["serve", "m"])
+    assert (defaults.max_body_size, defaults.shutdown_grace) == (4 * 2**20, 10.0)
+    args = build_parser().parse_args(["serve", "m", "--max-body-size", "512KiB", "--shutdown-grace", "2.5"])
+    assert (args.max_body_size, args.shutdown_grace) == (512 * 1024, 2.5)
+    assert build_parser().parse_args(["serve", "m", "--max-body-size", "1000"]).max_body_size == 1000
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--max-body-size", "lots"])
+    assert "is not a memory size" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--shutdown-grace", "-1"])
+    assert "the grace period must be >= 0 seconds, got -1" in capsys.readouterr().err

@@ -90,7 +90,7 @@ def test_a_request_that_can_never_fit_fails_alone():
     assert names(step.requests) == ["small"]
 
 
-def test_a_lone_request_outgrowing_the_pool_fails_with_its_blocks_returned():
+def test_a_lone_request_outgrowing_the_pool_ends_with_its_blocks_returned():
     allocator = BlockAllocator(num_blocks=2, block_size=2)
     scheduler = Scheduler(allocator, root=None)
     scheduler.add(request("a", 3))
@@ -98,6 +98,7 @@ def test_a_lone_request_outgrowing_the_pool_fails_with_its_blocks_returned():
     run(scheduler, scheduler.schedule()[0])  # 4 tokens: both blocks full
     step, failed = scheduler.schedule()
     assert step is None and names(failed) == ["a"] and "needs 1 more" in failed[0].error
+    assert failed[0].finish_reason == "length"  # it generated tokens: it ends with them
     assert allocator.num_free == 2 and not scheduler.has_work
 
 

@@ -16,7 +16,7 @@ from ..cache import PagedCache
 from ..forward import attention_implementation, paged_attention_for
 from .params import SamplingParams
 from .request import Request, RequestOutput, RequestStatus
-from .sampler import next_tokens
+from .sampler import next_tokens, token_logprobs
 from .scheduler import Scheduler, Step
 from .stats import EngineStats, percentile
 from .text import TextTracker
@@ -108,10 +108,16 @@ class Engine:
         """Queue one prompt (a string, with a tokenizer, or token ids); returns its request id.
 
         Options are `SamplingParams` fields (`max_new_tokens`, `do_sample`, `temperature`, `top_k`, `top_p`,
-        `repetition_penalty`, `eos_token_id`, `stop`/`stop_strings`, `seed`, `min_new_tokens`) over
-        `generation_config` (default: the model's).
+        `repetition_penalty`, `eos_token_id`, `stop`/`stop_strings`, `seed`, `min_new_tokens`,
+        `frequency_penalty`, `presence_penalty`, `logit_bias`, `logprobs`) over `generation_config` (default: the
+        model's).
         """
         params = self._params(generation_config, options)
+        bad_bias = [token for token, _ in params.logit_bias if token >= self.vocab_size]
+        if bad_bias:
+            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size}), got {bad_bias[:5]}")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(f"logprobs must be at most the vocabulary size {self.vocab_size}, got {params.logprobs}")
         prompt_ids = self._prompt_ids(prompt)
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings {list(params.stop)} need a tokenizer: Engine(model, tokenizer)")
@@ -157,6 +163,17 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    @property
+    def num_steps(self) -> int:
+        """Forwards run since the last `reset_stats()` (cheap, unlike `stats()`)."""
+        return self._counters["steps"]
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Share of admitted prompt tokens taken from the prefix cache since the last `reset_stats()` (cheap)."""
+        counters = self._counters
+        return counters["reused_tokens"] / counters["admitted_tokens"] if counters["admitted_tokens"] else 0.0
+
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """Run one forward (prefill or decode) and return the output of every request that changed; finished
@@ -187,7 +204,11 @@ class Engine:
             logits = self._forward(step)
             done = [i for i, r in enumerate(step.requests) if r.row.num_tokens == r.num_tokens]
             sampled = [step.requests[i] for i in done]
-            tokens = next_tokens(sampled, logits[done]) if sampled else []
+            tokens, logprobs = [], []
+            if sampled:
+                logits = logits[done]
+                tokens = next_tokens(sampled, logits)
+                logprobs = token_logprobs(sampled, logits, tokens)
         except BaseException as error:
             for request in step.requests:
                 self.scheduler.finish(request, "error", f"{type(error).__name__}: {error}")
@@ -195,8 +216,8 @@ class Engine:
             raise
         self._counters["steps"] += 1
         self._counters[f"{step.kind}_steps"] += 1
-        for request, token in zip(sampled, tokens):
-            request.append_token(token)
+        for request, token, logprob in zip(sampled, tokens, logprobs):
+            request.append_token(token, logprob)
             reason = self._finish_reason(request, token)
             if reason is not None:
                 self.scheduler.finish(request, reason)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 
 from transformers import GenerationConfig
@@ -30,8 +32,16 @@ class SamplingParams:
         repetition_penalty (`float`): `RepetitionPenaltyLogitsProcessor`'s penalty (1.0: off).
         eos_token_id (`tuple[int, ...]`): tokens that end the request (kept in its output).
         stop (`tuple[str, ...]`): strings that end the request (cut from its text; needs a tokenizer).
-        seed (`int`, *optional*): seed of the request's own random generator, so its samples do not depend on the
-            other requests in the batch.
+        seed (`int`, *optional*): seed of the request's own random generator (in `[0, 2**64)`), so its samples do
+            not depend on the other requests in the batch.
+        frequency_penalty, presence_penalty (`float`): OpenAI's additive penalties: a token's logit is lowered by
+            `frequency_penalty` times the number of times it was generated so far, plus `presence_penalty` if it was
+            generated at all (the prompt does not count); 0.0: off.
+        logit_bias (`tuple[tuple[int, float], ...]`): `(token id, bias)` pairs added to the logits before sampling (a
+            `dict` is accepted); -100 in practice bans a token, +100 forces it.
+        logprobs (`int`, *optional*): report each generated token's log-probability under the model's distribution
+            (the raw logits, before penalties, bias and temperature) and the `logprobs` most likely tokens at that
+            position; `None`: report nothing.
 
     Example:
 
@@ -57,10 +67,15 @@ class SamplingParams:
     eos_token_id: tuple[int, ...] = field(default_factory=tuple)
     stop: tuple[str, ...] = field(default_factory=tuple)
     seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    logprobs: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "eos_token_id", _as_tuple(self.eos_token_id, int, "eos_token_id"))
         object.__setattr__(self, "stop", _as_tuple(self.stop, str, "stop"))
+        object.__setattr__(self, "logit_bias", _as_bias(self.logit_bias))
         for name in ("max_new_tokens", "min_new_tokens", "top_k"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -75,6 +90,16 @@ class SamplingParams:
             raise ValueError("stop strings must not be empty")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or self.logprobs < 0
+        ):
+            raise ValueError(f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
 
     @classmethod
     def from_generation_config(cls, generation_config: GenerationConfig | None = None, **overrides) -> SamplingParams:
@@ -107,7 +132,14 @@ class SamplingParams:
     @property
     def uses_processors(self) -> bool:
         """Whether next-token choice needs more than an argmax over the logits."""
-        return self.do_sample or self.repetition_penalty != 1.0 or self.min_new_tokens > 0
+        return (
+            self.do_sample
+            or self.repetition_penalty != 1.0
+            or self.min_new_tokens > 0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or bool(self.logit_bias)
+        )
 
 
 def _as_tuple(value, kind: type, name: str) -> tuple:
@@ -118,3 +150,20 @@ def _as_tuple(value, kind: type, name: str) -> tuple:
         if not isinstance(item, kind) or isinstance(item, bool):
             raise ValueError(f"{name} must be a {kind.__name__} or a list of them, got {value!r}")
     return items
+
+
+def _as_bias(value) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as sorted `(token id, bias)` pairs, from a mapping or pairs."""
+    if value is None:
+        return ()
+    pairs = value.items() if isinstance(value, Mapping) else value
+    try:
+        pairs = [(token, bias) for token, bias in pairs]
+    except (TypeError, ValueError):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {value!r}") from None
+    for token, bias in pairs:
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias):
+            raise ValueError(f"logit_bias values must be finite numbers, got {bias!r} for token {token}")
+    return tuple(sorted((token, float(bias)) for token, bias in pairs))

@@ -21,6 +21,23 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model's distribution (log-softmax of the raw logits, before
+    penalties, bias and temperature) and the most likely tokens at its position.
+
+    Attributes:
+        token_id (`int`): the generated token.
+        logprob (`float`): its log-probability.
+        top (`tuple[tuple[int, float], ...]`): `(token id, log-probability)` of the most likely tokens, most likely
+            first (`SamplingParams.logprobs` of them).
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """One request's output so far (`engine.step()` / `engine.stream()`) or in full (`engine.generate()`).
 
@@ -33,11 +50,15 @@ class RequestOutput:
         new_text (`str | None`): text added since the previous output.
         finished (`bool`): whether the request is done.
         finish_reason (`str | None`): `"stop"` (end-of-sequence token or stop string), `"length"`
-            (`max_new_tokens` or the model's context), `"abort"` or `"error"`.
-        error (`str | None`): why the request failed (`finish_reason == "error"`).
+            (`max_new_tokens`, the model's context, or a pool too small for the request to grow further),
+            `"abort"` or `"error"`.
+        error (`str | None`): why the request failed (`finish_reason == "error"`), or why it ended before
+            `max_new_tokens` when the pool could not hold its next token (`finish_reason == "length"`).
         time_to_first_token (`float | None`): seconds from `add_request` to the first token.
         num_preemptions (`int`): times the request lost its blocks and was recomputed.
         prefix_tokens_reused (`int`): prompt tokens taken from the prefix cache instead of being computed.
+        logprobs (`list[TokenLogprob] | None`): one per generated token, when `SamplingParams.logprobs` is set.
+        new_logprobs (`list[TokenLogprob] | None`): those of `new_token_ids`.
     """
 
     request_id: str
@@ -52,6 +73,8 @@ class RequestOutput:
     time_to_first_token: float | None = None
     num_preemptions: int = 0
     prefix_tokens_reused: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    new_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(eq=False)
@@ -65,6 +88,7 @@ class Request:
     generator: torch.Generator | None = None
     processors: LogitsProcessorList | None = None  # next-token processors, built on first use (`sampler`)
     output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # one per output token, when `params.logprobs` is set
     status: RequestStatus = RequestStatus.WAITING
     row: Row | None = None
     finish_reason: str | None = None
@@ -90,10 +114,14 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def append_token(self, token_id: int) -> None:
+    def append_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
         self.output_token_ids.append(token_id)
+        if logprob is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.append(logprob)
         if self.text is not None:
             self.text.update(self.output_token_ids)
 
@@ -108,6 +136,10 @@ class Request:
         """The request's output, with what changed since the previous call as `new_*`."""
         text = None if self.text is None else self.text.visible
         new_ids = self.output_token_ids[self._reported_tokens :]
+        logprobs = None
+        if self.params.logprobs is not None:
+            logprobs = list(self.logprobs or ())
+        new_logprobs = None if logprobs is None else logprobs[self._reported_tokens :]
         new_text = None if text is None else text[self._reported_text :]
         self._reported_tokens = len(self.output_token_ids)
         self._reported_text = 0 if text is None else len(text)
@@ -125,4 +157,6 @@ class Request:
             time_to_first_token=ttft,
             num_preemptions=self.num_preemptions,
             prefix_tokens_reused=self.prefix_tokens_reused,
+            logprobs=logprobs,
+            new_logprobs=new_logprobs,
         )

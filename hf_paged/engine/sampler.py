@@ -1,7 +1,8 @@
 """Next-token choice for a batch of requests, each with its own options and random generator.
 
 The work is done by transformers' own `LogitsProcessor`s (repetition penalty, minimum length, temperature, top-k,
-top-p), applied row by row so that a request's result never depends on the other rows of the batch.
+top-p) and OpenAI's frequency/presence penalties and logit bias (`penalties`), applied row by row so that a request's
+result never depends on the other rows of the batch.
 """
 
 from __future__ import annotations
@@ -17,14 +18,23 @@ from transformers.generation.logits_process import (
 )
 
 from .params import SamplingParams
-from .request import Request
+from .penalties import FrequencyPresencePenaltyLogitsProcessor, LogitBiasLogitsProcessor
+from .request import Request, TokenLogprob
 
 
 def logits_processors(params: SamplingParams, prompt_length: int) -> LogitsProcessorList:
-    """The processors `generate` would apply for `params`, in its order (processors, then sampling warpers)."""
+    """The processors `generate` would apply for `params`, in its order (processors, then sampling warpers); OpenAI's
+    additive penalties and logit bias come after the repetition penalty and before the minimum length (so a bias
+    cannot bring back an end-of-sequence token that `min_new_tokens` suppresses)."""
     processors = LogitsProcessorList()
     if params.repetition_penalty != 1.0:
         processors.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
+    if params.frequency_penalty or params.presence_penalty:
+        processors.append(
+            FrequencyPresencePenaltyLogitsProcessor(prompt_length, params.frequency_penalty, params.presence_penalty)
+        )
+    if params.logit_bias:
+        processors.append(LogitBiasLogitsProcessor(params.logit_bias))
     if params.min_new_tokens > 0 and params.eos_token_id:
         processors.append(
             MinNewTokensLengthLogitsProcessor(prompt_length, params.min_new_tokens, list(params.eos_token_id))
@@ -60,3 +70,23 @@ def next_tokens(requests: list[Request], logits: torch.Tensor) -> list[int]:
         else:
             chosen[index] = int(row.argmax(dim=-1))
     return chosen
+
+
+def token_logprobs(requests: list[Request], logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob | None]:
+    """The log-probability of `tokens[i]` and the `params.logprobs` most likely tokens, under the log-softmax of the
+    raw `logits[i]`, for every request that asks for them (`None` for the others)."""
+    wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    result: list[TokenLogprob | None] = [None] * len(requests)
+    if not wanted:
+        return result
+    logprobs = torch.log_softmax(logits[wanted].float(), dim=-1)
+    most = max(requests[i].params.logprobs for i in wanted)
+    top_values, top_ids = logprobs.topk(most, dim=-1) if most else (None, None)
+    for row, index in enumerate(wanted):
+        count = requests[index].params.logprobs
+        top = ()
+        if count:
+            top = tuple(zip(top_ids[row, :count].tolist(), top_values[row, :count].tolist()))
+        token = tokens[index]
+        result[index] = TokenLogprob(token, float(logprobs[row, token]), top)
+    return result

@@ -177,9 +177,9 @@ class Scheduler:
             request = self.waiting[0]
             tokens = request.token_ids
             error = self.never_fits(len(tokens))
-            if error is not None:
+            if error is not None:  # a preempted request that grew too big ends with what it has
                 self.waiting.popleft()
-                request.finish("error", error)
+                request.finish(_outgrown_reason(request), error)
                 failed.append(request)
                 continue
             row = self._new_row(tokens)
@@ -248,12 +248,13 @@ class Scheduler:
             self._preempt(victim)
 
     def _fail_alone(self, request: Request, need: str, failed: list[Request]) -> None:
-        """End the only running request, which the whole pool cannot hold (`need`: what it needs more)."""
+        """End the only running request, which the whole pool cannot hold (`need`: what it needs more): with
+        `"length"` and the tokens it has when it generated some, `"error"` when its prompt does not fit."""
         held = len(request.row.live_block_ids)
         message = (
             f"the request holds {held} blocks and {need}, but the pool has {self.allocator.num_blocks} blocks in all"
         )
-        self.finish(request, "error", message)
+        self.finish(request, _outgrown_reason(request), message)
         failed.append(request)
 
     def _num_freed_by_release(self, requests: list[Request]) -> int:
@@ -281,3 +282,9 @@ class Scheduler:
         if request.row is not None:
             request.row.free(self.allocator)
             request.row = None
+
+
+def _outgrown_reason(request: Request) -> str:
+    """The finish reason of a request the whole pool cannot hold: `"length"` once it has generated tokens (it
+    ends with them, as at the model's context), `"error"` while it has none (its prompt does not fit)."""
+    return "length" if request.output_token_ids else "error"

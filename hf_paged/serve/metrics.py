@@ -1,42 +1,80 @@
-"""`/metrics`: the Engine and its block pool in Prometheus text format."""
+"""`/metrics`: the Engine and its block pool in Prometheus text format, from a snapshot the engine thread publishes
+after every step (so reading it never waits for a running forward)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..engine import Engine
 
+_SAMPLES = (  # name, kind, help
+    ("hf_paged_kv_blocks_used", "gauge", "KV blocks held by running requests"),
+    ("hf_paged_kv_blocks_free", "gauge", "KV blocks free (cached-evictable included)"),
+    ("hf_paged_kv_blocks_total", "gauge", "KV blocks in the pool"),
+    ("hf_paged_kv_blocks_cached", "gauge", "KV blocks indexed by the prefix cache"),
+    ("hf_paged_kv_usage_ratio", "gauge", "Share of KV blocks in use"),
+    ("hf_paged_kv_waste_ratio", "gauge", "Share of allocated KV slots holding no token"),
+    ("hf_paged_prefix_hit_ratio", "gauge", "Share of admitted prompt tokens served by the prefix cache"),
+    ("hf_paged_preemptions_total", "counter", "Requests preempted and recomputed"),
+    ("hf_paged_requests_running", "gauge", "Requests decoding"),
+    ("hf_paged_requests_waiting", "gauge", "Requests queued"),
+    ("hf_paged_requests_total", "counter", "Requests finished"),
+    ("hf_paged_prompt_tokens_total", "counter", "Prompt tokens of finished requests"),
+    ("hf_paged_generation_tokens_total", "counter", "Tokens generated"),
+    ("hf_paged_engine_steps_total", "counter", "Engine steps (forwards) run"),
+)
 
-def render_metrics(engine: Engine, totals: dict[str, int]) -> str:
-    """Prometheus exposition text: KV blocks used/free, usage and waste, prefix hit rate, preemptions, requests
-    running/waiting, and the server's request and token counters."""
-    pool = engine.pool.stats()
-    stats = engine.stats()
-    usage = pool.num_used / pool.num_blocks if pool.num_blocks else 0.0
-    samples = [
-        ("hf_paged_kv_blocks_used", "gauge", "KV blocks held by running requests", pool.num_used),
-        ("hf_paged_kv_blocks_free", "gauge", "KV blocks free (cached-evictable included)", pool.num_free),
-        ("hf_paged_kv_blocks_total", "gauge", "KV blocks in the pool", pool.num_blocks),
-        ("hf_paged_kv_blocks_cached", "gauge", "KV blocks indexed by the prefix cache", pool.num_cached),
-        ("hf_paged_kv_usage_ratio", "gauge", "Share of KV blocks in use", usage),
-        ("hf_paged_kv_waste_ratio", "gauge", "Share of allocated KV slots holding no token", pool.waste_fraction),
-        (
-            "hf_paged_prefix_hit_ratio",
-            "gauge",
-            "Share of admitted prompt tokens served by the prefix cache",
-            stats.prefix_hit_rate,
-        ),
-        (
-            "hf_paged_preemptions_total",
-            "counter",
-            "Requests preempted and recomputed",
-            engine.scheduler.num_preemptions,
-        ),
-        ("hf_paged_requests_running", "gauge", "Requests decoding", engine.num_running),
-        ("hf_paged_requests_waiting", "gauge", "Requests queued", engine.num_waiting),
-        ("hf_paged_requests_total", "counter", "Requests finished", totals["requests"]),
-        ("hf_paged_prompt_tokens_total", "counter", "Prompt tokens of finished requests", totals["prompt_tokens"]),
-        ("hf_paged_generation_tokens_total", "counter", "Tokens generated", totals["generation_tokens"]),
-    ]
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """The values `/metrics` shows, taken at one moment (between two engine steps).
+
+    Attributes:
+        values (`dict[str, float]`): metric name to value.
+        taken_at (`float`): `time.monotonic()` when it was taken.
+    """
+
+    values: dict[str, float]
+    taken_at: float
+
+    @classmethod
+    def take(cls, engine: Engine, totals: dict[str, int], taken_at: float) -> MetricsSnapshot:
+        """Read `engine` and its pool; call it from the thread that steps the engine, between steps."""
+        pool = engine.pool.stats()
+        values = {
+            "hf_paged_kv_blocks_used": pool.num_used,
+            "hf_paged_kv_blocks_free": pool.num_free,
+            "hf_paged_kv_blocks_total": pool.num_blocks,
+            "hf_paged_kv_blocks_cached": pool.num_cached,
+            "hf_paged_kv_usage_ratio": pool.num_used / pool.num_blocks if pool.num_blocks else 0.0,
+            "hf_paged_kv_waste_ratio": pool.waste_fraction,
+            "hf_paged_prefix_hit_ratio": engine.prefix_hit_rate,
+            "hf_paged_preemptions_total": engine.scheduler.num_preemptions,
+            "hf_paged_requests_running": engine.num_running,
+            "hf_paged_requests_waiting": engine.num_waiting,
+            "hf_paged_requests_total": totals["requests"],
+            "hf_paged_prompt_tokens_total": totals["prompt_tokens"],
+            "hf_paged_generation_tokens_total": totals["generation_tokens"],
+            "hf_paged_engine_steps_total": engine.num_steps,
+        }
+        return cls({name: float(value) for name, value in values.items()}, taken_at)
+
+
+def render_metrics(snapshot: MetricsSnapshot) -> str:
+    """Prometheus exposition text of `snapshot`: KV blocks used/free, usage and waste, prefix hit rate, preemptions,
+    requests running/waiting, and the server's request, token and step counters.
+
+    Example:
+
+    ```python
+    >>> text = render_metrics(MetricsSnapshot({"hf_paged_kv_blocks_used": 3.0}, 0.0))
+    >>> "hf_paged_kv_blocks_used 3" in text.splitlines()
+    True
+
+    ```
+    """
     lines = []
-    for name, kind, help_text, value in samples:
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {float(value):g}"]
+    for name, kind, help_text in _SAMPLES:
+        if name in snapshot.values:
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {snapshot.values[name]:g}"]
     return "\n".join(lines) + "\n"

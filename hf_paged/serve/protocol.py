@@ -1,35 +1,93 @@
-"""Request bodies of the OpenAI-compatible API and its error body."""
+"""Request bodies of the OpenAI-compatible API: the fields this server honours, and a 400 naming any other.
+
+Fields OpenAI defines that the server cannot honour exactly (`tools`, `response_format` other than text, ...) are
+refused rather than ignored: `unsupported_fields` names them. `user` is accepted and ignored (it only labels the
+request); `min_tokens` is an extension (vLLM's name) that suppresses end-of-sequence tokens until that many tokens
+were generated.
+"""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions `logprobs`
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat `top_logprobs`
+MAX_LOGIT_BIAS = 300  # entries in `logit_bias`
+_TOOL_FIELDS = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
-    """Fields shared by completions and chat completions (others OpenAI defines are accepted and ignored)."""
+    """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str
     max_tokens: int | None = Field(default=None, ge=0)
     max_completion_tokens: int | None = Field(default=None, ge=0)
+    min_tokens: int = Field(default=0, ge=0)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=16)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value):
+        strings = [value] if isinstance(value, str) else (value or [])
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(strings)}")
+        if any(not text for text in strings):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value):
+        if value is None:
+            return value
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed, got {len(value)}")
+        for token, bias in value.items():
+            if not token.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids (digit strings), got {token!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+        return value
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def bias(self) -> dict[int, float]:
+        return {int(token): bias for token, bias in (self.logit_bias or {}).items()}
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int]
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
 
 
 class ChatMessage(BaseModel):
@@ -38,16 +96,61 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
 
-    def text(self) -> str:
-        if isinstance(self.content, list):  # content parts: keep the text ones
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
-        return self.content or ""
-
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: dict | None = None
 
 
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None):
-    """The OpenAI error body: `{"error": {"message", "type", "param", "code"}}`."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+def unsupported_fields(body: SamplingFields) -> tuple[str, str] | None:
+    """`(param, message)` for the first field of `body` the server cannot honour, or `None`.
+
+    Example:
+
+    ```python
+    >>> body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=[{"x": 1}])
+    >>> unsupported_fields(body)
+    ('tools', 'tools: tool and function calling is not supported by this server')
+
+    ```
+    """
+    for name, value in (body.model_extra or {}).items():
+        if _is_off(value):
+            continue
+        if name in _TOOL_FIELDS:
+            return name, f"{name}: tool and function calling is not supported by this server"
+        return name, f"{name}: this field is not supported by this server"
+    if body.stream_options is not None and not body.stream:
+        return "stream_options", "stream_options: only allowed when stream is true"
+    if isinstance(body, ChatCompletionRequest):
+        if body.response_format is not None and body.response_format != {"type": "text"}:
+            return "response_format", 'response_format: only {"type": "text"} is supported by this server'
+        if body.top_logprobs is not None and not body.logprobs:
+            return "top_logprobs", "top_logprobs: needs logprobs set to true"
+        for index, message in enumerate(body.messages):
+            for name, value in (message.model_extra or {}).items():  # name, tool_calls, tool_call_id, audio, ...
+                if not _is_off(value):
+                    where = f"messages.{index}.{name}"
+                    return where, f"{where}: this message field is not supported by this server"
+            if isinstance(message.content, list):
+                for part in message.content:
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        where = f"messages.{index}.content"
+                        return where, f"{where}: only text content parts are supported, got {part.get('type')!r}"
+    if isinstance(body, CompletionRequest) and body.echo and body.logprobs is not None:
+        return "logprobs", "logprobs: not supported together with echo (prompt log-probabilities are not computed)"
+    return None
+
+
+def _is_off(value) -> bool:
+    """Whether a field's value asks for nothing (`null`, `false`, `[]`, `{}`, `""`)."""
+    return value is None or value is False or value == [] or value == {} or value == ""
+
+
+def message_text(message: ChatMessage) -> str:
+    """The text of a chat message (its text content parts, joined)."""
+    if isinstance(message.content, list):
+        return "".join(part["text"] for part in message.content)
+    return message.content or ""

@@ -3,107 +3,153 @@
 from __future__ import annotations
 
 import asyncio
-import json
+import logging
 import secrets
-import time
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine import RequestOutput
-from .loop import EngineLoop
+from .body import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware, parse_body
+from .calls import Call, watch_disconnect
+from .errors import APIError, error_body, error_kind
+from .loop import EngineLoop, ShuttingDown
 from .metrics import render_metrics
-from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, error_body
+from .prompts import PromptEncoder
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    message_text,
+    unsupported_fields,
+)
+from .replies import Reply, TokenTexts, sse
+from .streaming import EventStream
+
+logger = logging.getLogger(__name__)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 512
+SHUTDOWN_MESSAGE = "the server is shutting down; the request was aborted at the end of the shutdown grace period"
 
 
-class APIError(Exception):
-    """An error answered with the OpenAI error body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-
-def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None) -> FastAPI:
+def create_app(
+    loop: EngineLoop, model_name: str, api_key: str | None = None, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> FastAPI:
     """A FastAPI app serving `loop.engine` as `model_name`: `/v1/completions`, `/v1/chat/completions` (both with
     server-sent-event streaming), `/v1/models`, `/health` and `/metrics`. With `api_key`, `/v1/*` needs
-    `Authorization: Bearer <api_key>`."""
-    app = FastAPI(title="hf_paged", docs_url=None, redoc_url=None)
+    `Authorization: Bearer <api_key>`. Request bodies over `max_body_bytes` get 413 before they are read."""
+    app = FastAPI(title="hf_paged", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     engine = loop.engine
+    encoder = PromptEncoder(engine.tokenizer, engine.max_context)
+    token_text = TokenTexts(engine.tokenizer)
 
     @app.exception_handler(APIError)
     async def api_error(_, error: APIError):
-        return JSONResponse(error_body(error.message, _kind(error.status), error.param, error.code), error.status)
+        return JSONResponse(error.body(), error.status)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_, error: RequestValidationError):
-        first = error.errors()[0] if error.errors() else {}
-        where = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            message = "the request body is not valid JSON"
-        return JSONResponse(error_body(message, param=where), 400)
+        return JSONResponse(error_body(str(error)), 400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_, error: StarletteHTTPException):
-        return JSONResponse(error_body(str(error.detail), _kind(error.status_code)), error.status_code)
+        return JSONResponse(error_body(str(error.detail), error_kind(error.status_code)), error.status_code)
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                body = error_body("invalid or missing API key", code="invalid_api_key")
-                return JSONResponse(body, 401)
-        return await call_next(request)
+    @app.exception_handler(Exception)
+    async def unexpected_error(_, error: Exception):
+        logger.error("hf_paged: unexpected error", exc_info=error)
+        body = error_body(f"internal error: {type(error).__name__}", "server_error", code="internal_error")
+        return JSONResponse(body, 500)
+
+    async def require_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise APIError(401, "invalid or missing API key", code="invalid_api_key")
 
     @app.get("/health")
     async def health():
+        if not loop.accepting:
+            return JSONResponse({"status": "shutting_down"}, 503)
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(render_metrics(engine, loop.totals), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(render_metrics(loop.snapshot), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
+
+    @v1.get("/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "hf_paged"}]}
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        prompt_ids = _tokenize(engine, body.prompt)
-        return await _serve(loop, model_name, body, prompt_ids, request, chat=False)
+    @v1.post("/completions")
+    async def completions(request: Request):
+        body = await _parse(request, CompletionRequest)
+        _check(body, model_name)
+        if isinstance(body.prompt, str):  # token ids are checked against the context below, before submitting
+            encoder.check_evident_length(len(body.prompt), "prompt")
+        prompt_ids = await asyncio.to_thread(encoder.encode, body.prompt)
+        echo = ""
+        if body.echo:
+            echo = body.prompt if isinstance(body.prompt, str) else await asyncio.to_thread(_decode, engine, prompt_ids)
+        reply = Reply(model_name, False, token_text, body.logprobs, echo, body.include_usage)
+        return await _serve(loop, body, prompt_ids, reply, request, body.logprobs)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        if engine.tokenizer is None or getattr(engine.tokenizer, "chat_template", None) is None:
-            raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return await _serve(loop, model_name, body, _tokenize(engine, text), request, chat=True)
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _parse(request, ChatCompletionRequest)
+        _check(body, model_name)
+        messages = [{"role": m.role, "content": message_text(m)} for m in body.messages]
+        encoder.check_evident_length(sum(len(m["content"]) for m in messages), "messages")
+        prompt_ids = await asyncio.to_thread(_chat_ids, encoder, messages)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        reply = Reply(model_name, True, token_text, logprobs, include_usage=body.include_usage)
+        return await _serve(loop, body, prompt_ids, reply, request, logprobs)
 
+    app.include_router(v1)
     return app
 
 
-def _kind(status: int) -> str:
-    return {401: "authentication_error", 404: "not_found_error"}.get(status, "invalid_request_error")
+async def _parse(request: Request, model):
+    raw = await request.body()  # at most the body limit (BodyLimitMiddleware)
+    return await asyncio.to_thread(parse_body, raw, model)
 
 
-def _tokenize(engine, prompt: str | list[int]) -> list[int]:
-    if isinstance(prompt, list):
-        return prompt
+def _check(body: SamplingFields, model_name: str) -> None:
+    if body.model != model_name:
+        raise APIError(
+            404, f"model {body.model!r} does not exist; this server serves {model_name!r}", "model", "model_not_found"
+        )
+    refused = unsupported_fields(body)
+    if refused is not None:
+        param, message = refused
+        raise APIError(400, message, param, "unsupported_parameter")
+
+
+def _chat_ids(encoder: PromptEncoder, messages: list[dict]) -> list[int]:
+    try:
+        text = encoder.chat_text(messages)
+    except APIError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a template that refuses these messages (roles out of order, ...)
+        raise APIError(400, f"messages: the chat template failed: {error}", "messages") from None
+    return encoder.encode(text)
+
+
+def _decode(engine, prompt_ids: list[int]) -> str:
     if engine.tokenizer is None:
-        raise APIError(400, "this server has no tokenizer: send the prompt as a list of token ids", "prompt")
-    return engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        raise APIError(400, "echo needs a tokenizer to turn the prompt's token ids into text", "echo")
+    return engine.tokenizer.decode(prompt_ids, skip_special_tokens=False)
 
 
-def _options(engine, body: SamplingFields, prompt_ids: list[int], chat: bool) -> dict:
+def _options(engine, body: SamplingFields, prompt_ids: list[int], chat: bool, logprobs: int | None) -> dict:
+    """`Engine.add_request` options of every choice (their seeds apart), or a 400 naming the field."""
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
         max_tokens = CHAT_DEFAULT_MAX_TOKENS if chat else COMPLETION_DEFAULT_MAX_TOKENS
@@ -119,10 +165,28 @@ def _options(engine, body: SamplingFields, prompt_ids: list[int], chat: bool) ->
             "max_tokens",
             "context_length_exceeded",
         )
+    if body.min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens ({body.min_tokens}) is over max_tokens ({max_tokens})", "min_tokens")
+    bias = body.bias()
+    too_big = [token for token in bias if token >= engine.vocab_size]
+    if too_big:
+        raise APIError(
+            400, f"logit_bias: token ids must be below the vocabulary size {engine.vocab_size}, got {too_big[:5]}",
+            "logit_bias",
+        )  # fmt: skip
     error = engine.scheduler.never_fits(len(prompt_ids))
     if error is not None:
         raise APIError(400, error, "prompt")
-    options = {"max_new_tokens": max_tokens, "stop": body.stop_strings(), "top_k": 0}
+    options = {
+        "max_new_tokens": max_tokens,
+        "min_new_tokens": body.min_tokens,
+        "stop": body.stop_strings(),
+        "top_k": 0,
+        "frequency_penalty": body.frequency_penalty,
+        "presence_penalty": body.presence_penalty,
+        "logit_bias": bias,
+        "logprobs": logprobs,
+    }
     if body.temperature == 0:
         options["do_sample"] = False
     else:
@@ -130,121 +194,62 @@ def _options(engine, body: SamplingFields, prompt_ids: list[int], chat: bool) ->
     return options
 
 
-async def _serve(loop: EngineLoop, model_name: str, body: SamplingFields, prompt_ids, request: Request, chat: bool):
-    if body.model != model_name:
-        raise APIError(
-            404, f"model {body.model!r} does not exist; this server serves {model_name!r}", "model", "model_not_found"
-        )
-    options = _options(loop.engine, body, prompt_ids, chat)
-    event_loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
-    request_ids = []
+async def _serve(loop: EngineLoop, body: SamplingFields, prompt_ids, reply: Reply, request: Request, logprobs):
+    options = _options(loop.engine, body, prompt_ids, reply.chat, logprobs)
+    choices = []
+    for index in range(body.n):  # seeds seed, seed + 1, ... (an int64 seed maps onto the generator's [0, 2**64))
+        seed = None if body.seed is None else (body.seed + index) % 2**64
+        choices.append({**options, "seed": seed})
+    call = Call(loop, body.n)
     try:
-        for index in range(body.n):
-            seed = None if body.seed is None else body.seed + index
-            choice_queue = _IndexedQueue(queue, index)
-            request_ids.append(
-                await asyncio.to_thread(loop.submit, event_loop, choice_queue, prompt_ids, seed=seed, **options)
-            )
-    except ValueError as error:
-        await _abort_all(loop, request_ids)
-        raise APIError(400, str(error)) from error
-    reply_id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        await call.start(prompt_ids, choices)
+    except ShuttingDown as error:
+        raise APIError(503, str(error), code="server_shutdown") from None
+    except (ValueError, TypeError) as error:
+        raise APIError(400, str(error)) from None
     if body.stream:
-        stream = _stream(loop, queue, request_ids, reply_id, model_name, body.n, chat)
-        return StreamingResponse(stream, media_type="text/event-stream")
-    return await _complete(loop, queue, request_ids, reply_id, model_name, len(prompt_ids), body.n, chat, request)
+        return EventStream(_events(call, reply, len(prompt_ids)), call)
+    return await _complete(call, reply, request, len(prompt_ids))
 
 
-class _IndexedQueue:
-    """Puts `(choice index, output)` into a shared queue (what `EngineLoop` calls `put_nowait` on)."""
-
-    def __init__(self, queue: asyncio.Queue, index: int):
-        self.queue, self.index = queue, index
-
-    def put_nowait(self, output: RequestOutput) -> None:
-        self.queue.put_nowait((self.index, output))
-
-
-async def _abort_all(loop: EngineLoop, request_ids: list[str]) -> None:
-    for request_id in request_ids:
-        await asyncio.to_thread(loop.abort, request_id)
-
-
-def _finish_reason(output: RequestOutput) -> str | None:
-    if output.finish_reason == "error":
-        raise APIError(500, output.error or "generation failed", code="generation_failed")
-    return output.finish_reason
-
-
-async def _complete(loop, queue, request_ids, reply_id, model_name, prompt_tokens, n, chat, request: Request):
-    finals: dict[int, RequestOutput] = {}
+async def _complete(call: Call, reply: Reply, request: Request, prompt_tokens: int):
+    watcher = asyncio.create_task(watch_disconnect(request.receive, call))
+    finals = [None] * call.n
     try:
-        while len(finals) < n:
-            try:
-                index, output = await asyncio.wait_for(queue.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    raise asyncio.CancelledError from None
-                continue
+        async for index, output in call.outputs():
             if output.finished:
                 finals[index] = output
     finally:
-        if len(finals) < n:
-            await _abort_all(loop, request_ids)
-    choices = []
-    for index in range(n):
-        output = finals[index]
-        reason = _finish_reason(output)
-        if chat:
-            choices.append(
-                {"index": index, "message": {"role": "assistant", "content": output.text}, "finish_reason": reason}
-            )
-        else:
-            choices.append({"index": index, "text": output.text, "logprobs": None, "finish_reason": reason})
-    completion_tokens = sum(len(o.token_ids) for o in finals.values())
-    return {
-        "id": reply_id,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model_name,
-        "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
-    }
+        watcher.cancel()
+        call.close()
+    if call.disconnected:
+        return Response(status_code=499)  # nobody is there to read it
+    for output in finals:
+        if output.finish_reason == "error":
+            raise APIError(500, output.error or "generation failed", code="generation_failed")
+        if output.finish_reason == "abort":
+            raise APIError(503, SHUTDOWN_MESSAGE, code="server_shutdown")
+    return JSONResponse(reply.complete(finals, prompt_tokens))
 
 
-async def _stream(loop, queue, request_ids, reply_id, model_name, n, chat) -> AsyncIterator[str]:
-    created = int(time.time())
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    finished = 0
-
-    def chunk(index: int, text: str | None, reason: str | None, first: bool = False) -> str:
-        if chat:
-            delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-            choice = {"index": index, "delta": delta, "finish_reason": reason}
-        else:
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
-        body = {"id": reply_id, "object": kind, "created": created, "model": model_name, "choices": [choice]}
-        return f"data: {json.dumps(body)}\n\n"
-
-    try:
-        if chat:
-            for index in range(n):
-                yield chunk(index, "", None, first=True)
-        while finished < n:
-            index, output = await queue.get()
-            if output.finish_reason == "error":
-                body = error_body(output.error or "generation failed", "server_error", code="generation_failed")
-                yield f"data: {json.dumps(body)}\n\n"
-                return
-            if output.new_text or output.finished:
-                yield chunk(index, output.new_text, output.finish_reason if output.finished else None)
-            finished += output.finished
-        yield "data: [DONE]\n\n"
-    finally:
-        if finished < n:  # the client went away (or the stream failed): free the blocks now
-            await _abort_all(loop, request_ids)
+async def _events(call: Call, reply: Reply, prompt_tokens: int) -> AsyncIterator[str]:
+    for event in reply.opening_chunks(call.n):
+        yield event
+    completion_tokens = 0
+    async for index, output in call.outputs():
+        if output.finish_reason == "error":
+            yield sse(error_body(output.error or "generation failed", "server_error", code="generation_failed"))
+            return
+        if output.finish_reason == "abort":
+            yield sse(error_body(SHUTDOWN_MESSAGE, "server_error", code="server_shutdown"))
+            return
+        event = reply.chunk(index, output)
+        if event is not None:
+            yield event
+        if output.finished:
+            completion_tokens += len(output.token_ids)
+    if call.disconnected:
+        return
+    if reply.include_usage:
+        yield reply.usage_chunk(prompt_tokens, completion_tokens)
+    yield "data: [DONE]\n\n"

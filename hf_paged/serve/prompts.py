@@ -1,0 +1,75 @@
+"""`PromptEncoder`: prompts and chat messages to token ids, with an early refusal of prompts evidently longer than
+the model's context (before tokenizing megabytes). Tokenizing and templating are CPU-bound: the server calls them
+from a worker thread."""
+
+from __future__ import annotations
+
+from .errors import APIError
+
+
+class PromptEncoder:
+    """Tokenizes prompts and applies the chat template of `tokenizer`.
+
+    A prompt is *evidently* too long when it has more characters than `max_context` tokens can spell: no token of
+    the vocabulary decodes to more characters than its longest entry (`longest_token_chars`), so
+    `len(text) > max_context * longest_token_chars` means more than `max_context` tokens.
+
+    Args:
+        tokenizer: the model's tokenizer (`None`: only token-id prompts).
+        max_context (`int`, *optional*): the model's context window in tokens.
+
+    Example:
+
+    ```python
+    >>> class Letters:  # every token is one letter
+    ...     def get_vocab(self):
+    ...         return {"a": 0, "b": 1}
+    >>> encoder = PromptEncoder(Letters(), max_context=4)
+    >>> encoder.max_chars
+    4
+    >>> try:
+    ...     encoder.check_evident_length(5, "prompt")
+    ... except APIError as error:
+    ...     print(error.code)
+    context_length_exceeded
+
+    ```
+    """
+
+    def __init__(self, tokenizer, max_context: int | None):
+        self.tokenizer = tokenizer
+        self.max_context = max_context
+        self.max_chars = None
+        if tokenizer is not None and max_context is not None:
+            self.max_chars = max_context * longest_token_chars(tokenizer)
+
+    def check_evident_length(self, num_chars: int, param: str) -> None:
+        """Raise a 400 when `num_chars` characters are certainly more than the context window."""
+        if self.max_chars is not None and num_chars > self.max_chars:
+            raise APIError(
+                400,
+                f"{param}: {num_chars} characters are more than the model's context window of {self.max_context} "
+                f"tokens can hold (at most {self.max_chars} characters with this vocabulary)",
+                param,
+                "context_length_exceeded",
+            )
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a completion prompt (token ids are returned as given)."""
+        if isinstance(prompt, list):
+            return prompt
+        if self.tokenizer is None:
+            raise APIError(400, "this server has no tokenizer: send the prompt as a list of token ids", "prompt")
+        return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+    def chat_text(self, messages: list[dict]) -> str:
+        """The chat template applied to `messages`, ending with the assistant's turn."""
+        if self.tokenizer is None or getattr(self.tokenizer, "chat_template", None) is None:
+            raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters any vocabulary entry has (byte-level and SentencePiece entries spell one character per
+    byte or character of the text they decode to)."""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1) or 1

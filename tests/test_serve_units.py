@@ -1,0 +1,156 @@
+"""Server pieces without a server: request parsing and its OpenAI errors, refused fields, the evident-length check,
+the GGUF conversion cache, the API key from the environment."""
+
+from __future__ import annotations
+
+import stat
+
+import pytest
+
+from hf_paged.serve.body import parse_body
+from hf_paged.serve.cli import API_KEY_ENV, api_key, build_parser
+from hf_paged.serve.errors import APIError
+from hf_paged.serve.gguf_cache import COMPLETE_MARKER, cache_root, converted_gguf, file_digest
+from hf_paged.serve.prompts import PromptEncoder
+from hf_paged.serve.protocol import ChatCompletionRequest, CompletionRequest, unsupported_fields
+
+
+def parse_error(raw: bytes, model=CompletionRequest) -> APIError:
+    with pytest.raises(APIError) as caught:
+        parse_body(raw, model)
+    return caught.value
+
+
+@pytest.mark.parametrize(
+    ("raw", "param", "message"),
+    [
+        (b'{"model": "m", "prompt": "hi", "max_tokens": 34', None, "not valid JSON"),
+        (b'{"model": "m", "prompt": "a\\udfffb"}', "prompt", "lone UTF-16 surrogate"),
+        (b'{"model": "m", "prompt": "hi", "stop": ["ok", "\\ud800"]}', "stop.1", "lone UTF-16 surrogate"),
+        (b'{"model": "m", "prompt": "hi", "\\ud800": 1}', "\\ud800", "lone UTF-16 surrogate"),
+        (b'{"model": "m", "prompt": "hi", "seed": 18446744073709551616}', "seed", "less than or equal to"),
+        (b'{"model": "m", "prompt": "hi", "seed": -9223372036854775809}', "seed", "greater than or equal to"),
+        (b'{"model": "m", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}', "stop", "at most 4 stop strings"),
+        (b'{"model": "m", "prompt": "hi", "stop": [""]}', "stop", "must not be empty"),
+        (b'{"model": "m", "prompt": "hi", "logit_bias": {"x": 1}}', "logit_bias", "token ids"),
+        (b'{"model": "m", "prompt": "hi", "logprobs": 6}', "logprobs", "less than or equal to 5"),
+        (b'{"model": "m", "prompt": "hi", "frequency_penalty": 2.5}', "frequency_penalty", "less than or equal to 2"),
+        (b"\xff\xfe", None, "not valid JSON"),
+        (b"[]", None, "must be a JSON object"),
+    ],
+)
+def test_bad_bodies_name_the_field(raw, param, message):
+    error = parse_error(raw)
+    assert error.status == 400 and error.param == param and message in error.message
+    assert error.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_surrogate_deep_in_chat_messages_is_located():
+    raw = b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}'
+    assert parse_error(raw, ChatCompletionRequest).param == "messages.0.content.0.text"
+    fine = parse_body(b'{"model": "m", "prompt": "\\ud83d\\ude00"}', CompletionRequest)  # a pair is fine
+    assert fine.prompt == "\U0001f600"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"parallel_tool_calls": True}, "parallel_tool_calls"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"audio": {"voice": "x"}}, "audio"),
+        ({"messages": [{"role": "user", "content": "hi", "name": "ann"}]}, "messages.0.name"),
+        (
+            {"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "b", "tool_call_id": "1"}]},
+            "messages.1.tool_call_id",
+        ),
+    ],
+)
+def test_fields_that_cannot_be_honoured_are_named(fields, param):
+    body = ChatCompletionRequest(**{"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields})
+    assert unsupported_fields(body)[0] == param
+
+
+def test_off_values_and_user_are_accepted():
+    body = ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "hi"}], tools=[], parallel_tool_calls=False, user="u1",
+        response_format={"type": "text"}, stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    assert unsupported_fields(body) is None and body.include_usage
+
+
+def test_prompt_length_is_evident_from_the_longest_vocabulary_entry():
+    class Vocab:
+        def get_vocab(self):
+            return {"a": 0, "abcd": 1}
+
+    encoder = PromptEncoder(Vocab(), max_context=10)
+    encoder.check_evident_length(40, "prompt")  # 10 tokens of 4 characters: could fit
+    with pytest.raises(APIError) as caught:
+        encoder.check_evident_length(41, "messages")
+    assert caught.value.param == "messages" and "context window of 10 tokens" in caught.value.message
+    PromptEncoder(None, None).check_evident_length(10**9, "prompt")  # nothing to bound it with: no refusal
+
+
+# ---------------------------------------------------------------------------------------------- GGUF cache
+def fake_gguf(folder, content: bytes):
+    folder.mkdir(exist_ok=True)
+    (folder / "model.gguf").write_bytes(content)
+    return folder
+
+
+def test_a_gguf_is_converted_once_and_keyed_by_its_content(tmp_path):
+    calls = []
+
+    def convert(model_path, gguf_file, target):
+        calls.append(gguf_file)
+        (target / "config.json").write_text("{}")
+
+    source = fake_gguf(tmp_path / "a", b"weights v1")
+    first = converted_gguf(str(source), "model.gguf", tmp_path / "cache", convert)
+    second = converted_gguf(str(source), "model.gguf", tmp_path / "cache", convert)
+    assert first == second == tmp_path / "cache" / "gguf" / file_digest(source / "model.gguf") and len(calls) == 1
+    assert (first / COMPLETE_MARKER).exists() and (first / "config.json").exists()
+    assert stat.S_IMODE(first.stat().st_mode) & 0o055 == 0o055  # not mkdtemp's private 0o700
+    copy = fake_gguf(tmp_path / "b", b"weights v1")  # same content elsewhere: the same conversion
+    assert converted_gguf(str(copy), "model.gguf", tmp_path / "cache", convert) == first and len(calls) == 1
+    (source / "model.gguf").write_bytes(b"weights v2")  # new content: converted again
+    assert converted_gguf(str(source), "model.gguf", tmp_path / "cache", convert) != first and len(calls) == 2
+
+
+def test_an_interrupted_conversion_is_never_used(tmp_path):
+    source = fake_gguf(tmp_path / "a", b"weights")
+
+    def broken(model_path, gguf_file, target):
+        (target / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        converted_gguf(str(source), "model.gguf", tmp_path / "cache", broken)
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []  # the staging folder is gone
+    with pytest.raises(FileNotFoundError):
+        converted_gguf(str(source), "missing.gguf", tmp_path / "cache", broken)
+
+
+def test_the_cache_root_honours_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("HF_PAGED_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "hf_paged"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_root() == tmp_path / "home" / ".cache" / "hf_paged"
+    monkeypatch.setenv("HF_PAGED_CACHE", str(tmp_path / "own"))
+    assert cache_root() == tmp_path / "own"
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def test_the_api_key_comes_from_the_option_or_the_environment(monkeypatch):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert api_key(build_parser().parse_args(["serve", "m"])) is None
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert api_key(build_parser().parse_args(["serve", "m"])) == "from-env"
+    assert api_key(build_parser().parse_args(["serve", "m", "--api-key", "given"])) == "given"
+    monkeypatch.setenv(API_KEY_ENV, "")
+    assert api_key(build_parser().parse_args(["serve", "m"])) is None
