@@ -3,9 +3,6 @@ client (and raw HTTP for what the client cannot send)."""
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -16,42 +13,18 @@ import torch
 
 from hf_paged.reference_models import smollm2_path
 
-API_KEY = "test-key"
+from .serve_helpers import API_KEY, ServerProcess, metric, wait_for_idle
+
 MODEL = "smollm2"
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    command = [
-        sys.executable, "-m", "hf_paged.serve", "serve", str(smollm2_path()), "--served-model-name", MODEL,
-        "--port", str(port), "--num-blocks", "256", "--block-size", "16", "--api-key", API_KEY,
-        "--log-level", "warning",
-    ]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"the server exited: {process.stdout.read()}")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    else:
-        process.kill()
-        pytest.fail("the server did not come up within 180 s")
-    yield base
-    process.terminate()
-    process.wait(timeout=30)
+    options = ("--served-model-name", MODEL, "--num-blocks", "256", "--block-size", "16", "--api-key", API_KEY)
+    process = ServerProcess(smollm2_path(), *options)
+    yield process.base
+    process.close()
 
 
 @pytest.fixture(scope="module")
@@ -70,22 +43,6 @@ def chat_ids(tokenizer, content: str) -> list[int]:
         [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
     )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def metric(server: str, name: str) -> float:
-    for line in httpx.get(f"{server}/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise KeyError(name)
-
-
-def wait_for_idle(server: str, timeout: float = 30) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if metric(server, "hf_paged_kv_blocks_used") == 0 and metric(server, "hf_paged_requests_running") == 0:
-            return
-        time.sleep(0.2)
-    raise AssertionError("blocks were not returned to the pool")
 
 
 def test_models_health_and_metrics(server, client):
