@@ -32,26 +32,26 @@ class KVLayout:
 
     A model whose layers all attend alike (all full, or all sliding) has one group: a block holds K and V of its
     tokens for every layer, and one table per row addresses them. A hybrid model (full and sliding-window layers,
-    e.g. Gemma2/3) splits its layers into groups of one kind each, every group `slots_per_block` layers wide, with
+    e.g. Gemma2/3) splits its layers into groups of one kind each, every group `lanes_per_block` layers wide, with
     a block table per group per row: the blocks of a sliding group fall out of its window and go back to the pool
-    while the full groups keep theirs. All groups draw from the same pool; a block holds `slots_per_block` layers
-    of K/V for the group that owns it (layer `l` uses slot `slot_of[l]`), so memory moves freely between groups.
+    while the full groups keep theirs. All groups draw from the same pool; a block holds `lanes_per_block` layers
+    of K/V for the group that owns it (layer `l` uses lane `lane_of[l]`), so memory moves freely between groups.
     Groups are `min(number of full layers, number of sliding layers)` wide; the last group of a kind may be
-    narrower (its blocks leave the unused slots empty). Full groups come first.
+    narrower (its blocks leave the unused lanes empty). Full groups come first.
 
     Attributes:
         groups (`tuple[LayerGroup, ...]`): the groups; a row holds one table per group, in this order.
-        slots_per_block (`int`): layers of K/V one block holds.
+        lanes_per_block (`int`): layers of K/V one block holds.
         group_of (`tuple[int, ...]`): the group of every layer.
-        slot_of (`tuple[int, ...]`): the slot of every layer inside its group's blocks.
+        lane_of (`tuple[int, ...]`): the lane (place inside its group's blocks) of every layer.
 
     Example:
 
     ```python
     >>> layout = KVLayout.for_windows([6, 6, None, 6, 6, None])  # Gemma3-style: two sliding layers, one full
-    >>> [(group.layers, group.window) for group in layout.groups], layout.slots_per_block
+    >>> [(group.layers, group.window) for group in layout.groups], layout.lanes_per_block
     ([((2, 5), None), ((0, 1), 6), ((3, 4), 6)], 2)
-    >>> layout.group_of, layout.slot_of
+    >>> layout.group_of, layout.lane_of
     ((1, 1, 0, 2, 2, 0), (0, 1, 0, 0, 1, 1))
     >>> KVLayout.for_windows([None, None]).groups
     (LayerGroup(layers=(0, 1), window=None),)
@@ -60,9 +60,9 @@ class KVLayout:
     """
 
     groups: tuple[LayerGroup, ...]
-    slots_per_block: int
+    lanes_per_block: int
     group_of: tuple[int, ...]
-    slot_of: tuple[int, ...]
+    lane_of: tuple[int, ...]
 
     @classmethod
     def for_windows(cls, windows: list[int | None], split: bool = True) -> KVLayout:
@@ -84,7 +84,7 @@ class KVLayout:
     def for_model(cls, model: torch.nn.Module) -> KVLayout:
         """The layout of `model`'s decoder layers. A hybrid model keeps one group (its sliding layers keep every
         block) when its layers run on several devices, or when its layers differ in KV heads or head size (e.g.
-        Gemma4's wider full-attention layers): a slot is one tensor, on one device, of one shape."""
+        Gemma4's wider full-attention layers): a lane is one tensor, on one device, of one shape."""
         text_config = model.config.get_text_config(decoder=True)
         window = getattr(text_config, "sliding_window", None)
         windows = [window if kind == "sliding_attention" else None for kind in layer_kinds(text_config)]
@@ -102,13 +102,13 @@ class KVLayout:
         return cls.for_windows(windows, split=split)
 
     @classmethod
-    def _of(cls, groups: tuple[LayerGroup, ...], slots_per_block: int) -> KVLayout:
+    def _of(cls, groups: tuple[LayerGroup, ...], lanes_per_block: int) -> KVLayout:
         num_layers = sum(len(group.layers) for group in groups)
-        group_of, slot_of = [0] * num_layers, [0] * num_layers
+        group_of, lane_of = [0] * num_layers, [0] * num_layers
         for index, group in enumerate(groups):
-            for slot, layer in enumerate(group.layers):
-                group_of[layer], slot_of[layer] = index, slot
-        return cls(groups, slots_per_block, tuple(group_of), tuple(slot_of))
+            for lane, layer in enumerate(group.layers):
+                group_of[layer], lane_of[layer] = index, lane
+        return cls(groups, lanes_per_block, tuple(group_of), tuple(lane_of))
 
     @property
     def num_groups(self) -> int:

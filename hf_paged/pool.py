@@ -26,7 +26,7 @@ class KVShape:
         num_layers (`int`): decoder layers.
         num_kv_heads, head_dim (`int`): of every layer (of the first, when `layer_kv` lists them layer by layer).
         dtype (`torch.dtype`): of the K/V.
-        layers_per_block (`int`, *optional*): layer slots of one block, fewer than `num_layers` when a hybrid
+        layers_per_block (`int`, *optional*): lanes (layers) of one block, fewer than `num_layers` when a hybrid
             model's layers are split into layer groups (see `KVLayout`).
         layer_kv (`tuple[tuple[int, int], ...]`, *optional*): `(num_kv_heads, head_dim)` of every layer, for models
             whose layers differ.
@@ -98,7 +98,7 @@ class BlockPool:
     ):
         self.allocator = BlockAllocator(num_blocks, block_size)
         split = layout is not None and layout.num_groups > 1
-        self.storage = KVStorage(num_blocks, block_size, layout.slot_of if split else None)
+        self.storage = KVStorage(num_blocks, block_size, layout.lane_of if split else None)
         self.kv_shape = kv_shape
         self.layout = layout
         self.last_cache_stats = None  # CacheStats of the most recently released PagedCache
@@ -183,7 +183,7 @@ def _check_fits(model: torch.nn.Module, num_blocks: int, block_size: int, kv_sha
 
 
 def _size_pool(model: torch.nn.Module, config: PagedCacheConfig, layout: KVLayout) -> tuple[int, int, KVShape]:
-    kv_shape = KVShape.from_model(model, layout.slots_per_block)
+    kv_shape = KVShape.from_model(model, layout.lanes_per_block)
     block_size = config.resolved_block_size
     if config.num_blocks is not None:
         _check_fits(model, config.num_blocks, block_size, kv_shape, f"num_blocks={config.num_blocks}")

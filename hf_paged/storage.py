@@ -10,19 +10,20 @@ from .allocator import BlockCopy
 
 
 class KVStorage:
-    """K and V tensors of shape `[num_blocks, block_size, num_kv_heads, head_dim]` per layer slot (the layout paged
+    """K and V tensors of shape `[num_blocks, block_size, num_kv_heads, head_dim]` per lane (the layout paged
     GPU kernels such as flash-attn's `flash_attn_with_kvcache(block_table=...)` read).
 
-    Every layer has a slot of its own, except in hybrid models split into layer groups (see `KVLayout`), where
-    layer `l` uses slot `layer_slots[l]`, shared with one layer of every other group: a block belongs to one group
-    at a time, so its slots hold that group's layers. A slot's tensors are allocated on the first write, on the
+    A lane is one layer's place in a block (a slot is one token's place). Every layer has a lane of its own, except
+    in hybrid models split into layer groups (see `KVLayout`), where layer `l` uses lane `layer_lanes[l]`, shared with
+    one layer of every other group: a block belongs to one group at a time, so its lanes hold that group's layers. A
+    lane's tensors are allocated on the first write, on the
     device and in the dtype of the K/V its layer produces, so models spread over several devices keep each layer's
     blocks next to its weights. Slots are addressed as `block_id * block_size + offset`.
 
     Args:
-        num_blocks (`int`): blocks per layer slot.
+        num_blocks (`int`): blocks per lane.
         block_size (`int`): tokens per block.
-        layer_slots (`tuple[int, ...]`, *optional*): the slot of every layer (default: layer `l` uses slot `l`).
+        layer_lanes (`tuple[int, ...]`, *optional*): the lane of every layer (default: layer `l` uses lane `l`).
 
     Example:
 
@@ -38,16 +39,16 @@ class KVStorage:
     ```
     """
 
-    def __init__(self, num_blocks: int, block_size: int, layer_slots: tuple[int, ...] | None = None):
+    def __init__(self, num_blocks: int, block_size: int, layer_lanes: tuple[int, ...] | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.layer_slots = layer_slots
-        self.keys: dict[int, torch.Tensor] = {}  # by slot
+        self.layer_lanes = layer_lanes
+        self.keys: dict[int, torch.Tensor] = {}  # by lane
         self.values: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
 
-    def slot_of(self, layer_idx: int) -> int:
-        return layer_idx if self.layer_slots is None else self.layer_slots[layer_idx]
+    def lane_of(self, layer_idx: int) -> int:
+        return layer_idx if self.layer_lanes is None else self.layer_lanes[layer_idx]
 
     @property
     def nbytes(self) -> int:
@@ -55,29 +56,29 @@ class KVStorage:
 
     def has_layer(self, layer_idx: int) -> bool:
         """Whether `layer_idx`'s tensors are allocated (its first K/V was written)."""
-        return self.slot_of(layer_idx) in self.keys
+        return self.lane_of(layer_idx) in self.keys
 
     def ensure_layer(self, layer_idx: int, like: torch.Tensor) -> None:
         """Allocate `layer_idx` for tokens shaped like `like` (`[..., num_kv_heads, head_dim]`) or check it matches."""
         num_heads, head_dim = like.shape[-2], like.shape[-1]
-        slot = self.slot_of(layer_idx)
-        existing = self.keys.get(slot)
+        lane = self.lane_of(layer_idx)
+        existing = self.keys.get(lane)
         if existing is None:
             with self._lock:
-                if slot not in self.keys:
+                if lane not in self.keys:
                     shape = (self.num_blocks, self.block_size, num_heads, head_dim)
                     # empty, not zeros: pages are touched only as blocks are used, and reads only ever name slots
                     # that were written (pad positions name the row's first real slot)
                     with torch.inference_mode(False):  # normal tensors: written in and out of inference mode
-                        self.keys[slot] = torch.empty(shape, dtype=like.dtype, device=like.device)
-                        self.values[slot] = torch.empty(shape, dtype=like.dtype, device=like.device)
+                        self.keys[lane] = torch.empty(shape, dtype=like.dtype, device=like.device)
+                        self.values[lane] = torch.empty(shape, dtype=like.dtype, device=like.device)
             return
         if (
             existing.shape[2:] != (num_heads, head_dim)
             or existing.dtype != like.dtype
             or existing.device != like.device
         ):
-            shared = "" if slot == layer_idx else f" (slot {slot}, shared with other layer groups)"
+            shared = "" if lane == layer_idx else f" (lane {lane}, shared with other layer groups)"
             raise ValueError(
                 f"layer {layer_idx}{shared} of the KV pool holds {existing.shape[2]} heads x {existing.shape[3]} "
                 f"dims of {existing.dtype} on {existing.device}, but the model produced {num_heads} heads x "
@@ -87,7 +88,7 @@ class KVStorage:
 
     def write(self, layer_idx: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store tokens `keys[i]`, `values[i]` (each `[num_tokens, num_kv_heads, head_dim]`) into `slots[i]`."""
-        if self.slot_of(layer_idx) not in self.keys:
+        if self.lane_of(layer_idx) not in self.keys:
             self.ensure_layer(layer_idx, keys)
         flat_keys, flat_values = self._flat(layer_idx)
         flat_keys.index_copy_(0, slots, keys)
@@ -110,26 +111,26 @@ class KVStorage:
         return out[0], out[1]
 
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
-        """Copy whole blocks `src -> dst` in every allocated slot (copy-on-write)."""
+        """Copy whole blocks `src -> dst` in every allocated lane (copy-on-write)."""
         if not copies:
             return
-        for slot, keys in self.keys.items():
+        for lane, keys in self.keys.items():
             src = torch.tensor([c.src for c in copies], device=keys.device)
             dst = torch.tensor([c.dst for c in copies], device=keys.device)
             keys.index_copy_(0, dst, keys.index_select(0, src))
-            values = self.values[slot]
+            values = self.values[lane]
             values.index_copy_(0, dst, values.index_select(0, src))
 
     def layer_tensors(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The K and V tensors holding `layer_idx`."""
-        slot = self.slot_of(layer_idx)
-        return self.keys[slot], self.values[slot]
+        lane = self.lane_of(layer_idx)
+        return self.keys[lane], self.values[lane]
 
     def device_of(self, layer_idx: int) -> torch.device:
-        return self.keys[self.slot_of(layer_idx)].device
+        return self.keys[self.lane_of(layer_idx)].device
 
     def num_heads(self, layer_idx: int) -> int:
-        return self.keys[self.slot_of(layer_idx)].shape[2]
+        return self.keys[self.lane_of(layer_idx)].shape[2]
 
     def _flat(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.layer_tensors(layer_idx)

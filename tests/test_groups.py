@@ -35,27 +35,27 @@ def prompt(length: int, seed: int = 0) -> torch.Tensor:
 def test_layout_of_models_whose_layers_attend_alike_is_one_group():
     assert KVLayout.for_windows([None, None, None]).groups == (LayerGroup((0, 1, 2), None),)
     all_sliding = KVLayout.for_windows([8, 16])
-    assert all_sliding.groups == (LayerGroup((0, 1), 16),) and all_sliding.slots_per_block == 2
-    assert all_sliding.slot_of == (0, 1) and all_sliding.windows == [16]
+    assert all_sliding.groups == (LayerGroup((0, 1), 16),) and all_sliding.lanes_per_block == 2
+    assert all_sliding.lane_of == (0, 1) and all_sliding.windows == [16]
 
 
 def test_layout_of_alternating_layers_is_two_groups_half_as_wide():
     layout = KVLayout.for_windows([WINDOW, None] * 4)  # Gemma2
     assert [g.layers for g in layout.groups] == [(1, 3, 5, 7), (0, 2, 4, 6)]
-    assert layout.windows == [None, WINDOW] and layout.slots_per_block == 4
-    assert layout.group_of == (1, 0) * 4 and layout.slot_of == (0, 0, 1, 1, 2, 2, 3, 3)
+    assert layout.windows == [None, WINDOW] and layout.lanes_per_block == 4
+    assert layout.group_of == (1, 0) * 4 and layout.lane_of == (0, 0, 1, 1, 2, 2, 3, 3)
 
 
 def test_layout_of_a_gemma3_1b_pattern_pads_only_the_last_sliding_group():
     windows = [None if layer % 6 == 5 else 512 for layer in range(26)]  # 22 sliding, 4 full
     layout = KVLayout.for_windows(windows)
-    assert layout.slots_per_block == 4 and layout.num_groups == 7
+    assert layout.lanes_per_block == 4 and layout.num_groups == 7
     assert layout.groups[0] == LayerGroup((5, 11, 17, 23), None)
     assert [len(g.layers) for g in layout.groups[1:]] == [4, 4, 4, 4, 4, 2]
     assert sorted(layer for g in layout.groups for layer in g.layers) == list(range(26))
-    # every layer has a slot of its group's blocks, no two layers of a group share one
+    # every layer has a lane of its group's blocks, no two layers of a group share one
     for group in layout.groups:
-        assert sorted(layout.slot_of[layer] for layer in group.layers) == list(range(len(group.layers)))
+        assert sorted(layout.lane_of[layer] for layer in group.layers) == list(range(len(group.layers)))
 
 
 def test_layout_without_split_keeps_one_group_that_never_releases():
@@ -80,7 +80,7 @@ def test_hybrid_pool_blocks_hold_one_group_of_layers(gemma2):
     assert pool.num_blocks == 128  # the same bytes buy twice the blocks, each half as large
     cache = PagedCache(model)
     model.generate(prompt(5), past_key_values=cache, max_new_tokens=2, do_sample=False)
-    assert sorted(pool.storage.keys) == [0]  # both layers' K/V live in slot 0 of their group's blocks
+    assert sorted(pool.storage.keys) == [0]  # both layers' K/V live in lane 0 of their group's blocks
     assert pool.storage.keys[0].shape == (128, BLOCK_SIZE, 2, 16)
     cache.release()
 
@@ -103,11 +103,11 @@ def test_every_layout_places_each_layer_once_in_a_group_of_its_kind(windows):
     full = [i for i, w in enumerate(windows) if w is None]
     sliding = [i for i, w in enumerate(windows) if w is not None]
     if not full or not sliding:
-        assert layout.num_groups == 1 and layout.slots_per_block == len(windows)
+        assert layout.num_groups == 1 and layout.lanes_per_block == len(windows)
         assert layout.windows == [max(windows[i] for i in sliding) if sliding else None]
         return
     width = min(len(full), len(sliding))
-    assert layout.slots_per_block == width
+    assert layout.lanes_per_block == width
     assert layout.num_groups == -(-len(full) // width) + -(-len(sliding) // width)
     kinds = [group.window is None for group in layout.groups]
     assert kinds == sorted(kinds, reverse=True)  # full groups first
@@ -115,5 +115,5 @@ def test_every_layout_places_each_layer_once_in_a_group_of_its_kind(windows):
         assert all((windows[layer] is None) == (group.window is None) for layer in group.layers)  # one kind
         assert group.window is None or group.window == max(windows[i] for i in sliding)
         assert 1 <= len(group.layers) <= width
-        assert [layout.slot_of[layer] for layer in group.layers] == list(range(len(group.layers)))
+        assert [layout.lane_of[layer] for layer in group.layers] == list(range(len(group.layers)))
         assert all(layout.group_of[layer] == index for layer in group.layers)
