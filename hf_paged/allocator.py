@@ -271,7 +271,7 @@ class BlockAllocator:
             table.block_ids[-1] = dst
             copies.append(BlockCopy(src, dst))
             self._cow_copies += 1
-        elif room > 0 and table.block_ids[-1] in self._block_hash:  # a cropped cached block is written again
+        elif room > 0 and table.block_ids[-1] in self._block_hash:  # a truncated cached block is written again
             self._unhash(table.block_ids[-1])
         first_written = table.num_tokens // self.block_size
         total = table.num_tokens + num_new_tokens
@@ -297,7 +297,7 @@ class BlockAllocator:
                 self._ref_counts[block_id] += 1
             return child
 
-    def crop(self, table: BlockTable, num_tokens: int) -> None:
+    def truncate(self, table: BlockTable, num_tokens: int) -> None:
         """Keep only the first `num_tokens` tokens of `table`; blocks no longer needed are released.
 
         Raises:
@@ -306,13 +306,13 @@ class BlockAllocator:
         with self.lock:
             self._check_live(table)
             if not 0 <= num_tokens <= table.num_tokens:
-                raise ValueError(f"cannot crop a table of {table.num_tokens} tokens to {num_tokens} tokens")
+                raise ValueError(f"cannot truncate a table of {table.num_tokens} tokens to {num_tokens} tokens")
             keep = _num_blocks_for(num_tokens, self.block_size)
             if keep and table.block_ids[keep - 1] is None:
                 raise ValueError(
-                    f"cannot crop {table!r} to {num_tokens} tokens: its first {table.num_released * self.block_size} "
-                    "tokens were released (release_leading), so it cannot end before token "
-                    f"{table.num_released * self.block_size + 1}"
+                    f"cannot truncate {table!r} to {num_tokens} tokens: its first "
+                    f"{table.num_released * self.block_size} tokens were released (release_leading), so it cannot "
+                    f"end before token {table.num_released * self.block_size + 1}"
                 )
             dropped = table.block_ids[keep:]
             del table.block_ids[keep:]

@@ -526,7 +526,7 @@ class PagedCache(Cache, ForwardBoundCache):
             _free_rows(allocator, rows)
             return 0
         for row in rows:
-            row.crop(allocator, num_tokens)
+            row.truncate(allocator, num_tokens)
             row.leading_pads = pads[0]
         self._rows.extend(rows)
         self._seq_length = pads[0] + num_tokens
@@ -681,7 +681,7 @@ class PagedCache(Cache, ForwardBoundCache):
         """Keep the first `new_length` padded positions of every row."""
         allocator = self.pool.allocator
         for row in self._rows:
-            row.crop(allocator, new_length)
+            row.truncate(allocator, new_length)
         self._seq_length = new_length
         self._plan = None
 

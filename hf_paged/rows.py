@@ -131,12 +131,12 @@ class Row:
         else:
             self.tokens.extend(new_tokens)
 
-    def crop(self, allocator: BlockAllocator, length: int) -> None:
+    def truncate(self, allocator: BlockAllocator, length: int) -> None:
         """Keep the first `length` padded positions."""
         self.leading_pads = min(self.leading_pads, length)
         kept = length - self.leading_pads
         for table, hashes in zip(self.tables, self.hashes):
-            allocator.crop(table, kept)
+            allocator.truncate(table, kept)
             del hashes[kept // allocator.block_size :]
         if self.tokens is not None:
             del self.tokens[kept:]

@@ -159,25 +159,25 @@ def test_blocks_needed_counts_one_copy_less_than_the_sharers_of_a_partial_block(
     assert allocator.num_blocks_needed_for([(t, 5) for t in beams]) == 4  # 1 slot left each, then 1 new block
 
 
-# ---------------------------------------------------------------------- crop
-def test_crop_releases_blocks_that_become_empty():
+# ---------------------------------------------------------------------- truncate
+def test_truncate_releases_blocks_that_become_empty():
     allocator = BlockAllocator(num_blocks=4, block_size=4)
     table = allocator.new_table()
     allocator.append(table, 10)
-    allocator.crop(table, 5)
+    allocator.truncate(table, 5)
     assert table.block_ids == [0, 1] and table.num_tokens == 5 and allocator.free_block_ids == [3, 2]
-    allocator.crop(table, 0)
+    allocator.truncate(table, 0)
     assert table.block_ids == [] and allocator.num_free == 4
-    with pytest.raises(ValueError, match="cannot crop a table of 0 tokens to 1"):
-        allocator.crop(table, 1)
+    with pytest.raises(ValueError, match="cannot truncate a table of 0 tokens to 1"):
+        allocator.truncate(table, 1)
 
 
-def test_crop_inside_a_shared_block_then_write_copies_it():
+def test_truncate_inside_a_shared_block_then_write_copies_it():
     allocator = BlockAllocator(num_blocks=4, block_size=4)
     parent = allocator.new_table()
     allocator.append(parent, 3)
     child = allocator.fork(parent)
-    allocator.crop(child, 1)
+    allocator.truncate(child, 1)
     assert allocator.append(child, 1) == [BlockCopy(src=0, dst=1)]
     assert parent.num_tokens == 3 and allocator.ref_count(0) == 1
     allocator.check_invariants()
@@ -282,7 +282,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     The reference model is a list of token ids per table. The machine also plays the KV storage: `slots` holds
     the token written into every physical slot, `append` performs the copy-on-write copies and then writes the new
     tokens, and every check reads each table back through its block table. So a write into a shared block, a missed
-    copy, a wrong crop or a cached block reused while still indexed shows up as a table reading the wrong tokens.
+    copy, a wrong truncate or a cached block reused while still indexed shows up as a table reading the wrong tokens.
     `steps` counts the rules executed and `seen` what they ran into (all examples together).
     """
 
@@ -406,18 +406,18 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.tables)
     @rule(index=st.integers(0, 1000), keep=st.integers(0, 30))
-    def crop(self, index, keep):
+    def truncate(self, index, keep):
         self._count()
         table = self._table(index)
         keep = min(keep, table.num_tokens)
         if keep and table.block_ids[(keep - 1) // self.size] is None:  # would end inside a released block
             state = self._state()
             with pytest.raises(ValueError, match="released"):
-                self.allocator.crop(table, keep)
+                self.allocator.truncate(table, keep)
             assert self._state() == state
-            self.seen["crop into released blocks refused"] += 1
+            self.seen["truncate into released blocks refused"] += 1
             return
-        self.allocator.crop(table, keep)
+        self.allocator.truncate(table, keep)
         del self.tokens[table.table_id][keep:]
 
     @precondition(lambda self: self.tables)
@@ -625,7 +625,7 @@ def test_allocator_state_machine_runs_the_target_number_of_steps():
             "window hit",
             "eviction",
             "released block",
-            "crop into released blocks refused",
+            "truncate into released blocks refused",
         )
     )
     assert AllocatorMachine.steps >= (10 * MACHINE_STEPS_TARGET if LONG_TESTS else MACHINE_STEPS_TARGET)

@@ -183,10 +183,10 @@ def test_a_hash_collision_is_caught_by_token_verification():
     allocator.check_invariants()
 
 
-def test_writing_into_a_cropped_cached_block_uncaches_it():
+def test_writing_into_a_truncated_cached_block_uncaches_it():
     allocator = BlockAllocator(num_blocks=4, block_size=2)
     table = cached_table(allocator, [1, 2, 3, 4])
-    allocator.crop(table, 3)
+    allocator.truncate(table, 3)
     allocator.append(table, 1)  # block 1 was cached as (3, 4); its slot 1 is rewritten
     assert allocator.lookup_prefix(chain(ROOT, [1, 2, 3, 4], 2)) == [0]
     assert allocator.block_hash(1) is None

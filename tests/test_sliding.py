@@ -458,17 +458,17 @@ def test_released_cached_block_stays_findable_as_evictable():
     allocator.check_invariants()
 
 
-def test_crop_into_released_blocks_is_refused_and_changes_nothing():
+def test_truncate_into_released_blocks_is_refused_and_changes_nothing():
     allocator = BlockAllocator(num_blocks=8, block_size=4)
     table = allocator.new_table()
     allocator.append(table, 14)
     allocator.release_leading(table, 8)
     with pytest.raises(ValueError, match="released"):
-        allocator.crop(table, 6)
+        allocator.truncate(table, 6)
     assert table.block_ids == [None, None, 2, 3] and table.num_tokens == 14
-    allocator.crop(table, 9)
+    allocator.truncate(table, 9)
     assert table.block_ids == [None, None, 2] and allocator.free_block_ids == [4, 5, 6, 7, 0, 1, 3]
-    allocator.crop(table, 0)
+    allocator.truncate(table, 0)
     assert table.block_ids == [] and allocator.num_free == 8
     allocator.free(table)
 

@@ -154,7 +154,7 @@ def hammer(allocator, seed, steps=1500):
                 tables.append(allocator.fork(rng.choice(tables)))
             elif action < 0.7:
                 table = rng.choice(tables)
-                allocator.crop(table, rng.randint(0, table.num_tokens))
+                allocator.truncate(table, rng.randint(0, table.num_tokens))
             elif action < 0.85:
                 allocator.free(tables.pop(rng.randrange(len(tables))))
             else:  # index a table's first block under some content, then take the longest cached prefix
