@@ -2,7 +2,8 @@
 
 For each (model, batch, context) the same prompt is generated with each cache, alternating, `--repeats` times.
 Decode time = time(generate N + 1 new tokens) - time(generate 1 new token), so the prefill is left out; the table
-shows the median. EOS is disabled (`min_new_tokens`) so every run decodes N tokens.
+shows the median. EOS is disabled (`min_new_tokens`) so every run decodes N tokens. "overhead µs/step" is what one
+decode step of the whole batch costs more with the paged cache: batch / paged tok/s - batch / Dynamic tok/s.
 
 Usage: python benchmarks/decode_speed.py [--models tiny smollm2] [--contexts 128 512 1024] [--batches 1 8]
 """
@@ -19,6 +20,7 @@ from common import environment, load_model, markdown_table
 import hf_paged  # noqa: F401  (registers cache_implementation="paged")
 
 CACHES = {"DynamicCache": {}, "paged": {"cache_implementation": "paged"}}
+HEADERS = ["model", "batch", "context", "DynamicCache tok/s", "paged tok/s", "paged / Dynamic", "overhead µs/step"]
 
 
 def timed_generate(model, input_ids, new_tokens: int, options: dict) -> float:
@@ -68,17 +70,21 @@ def main() -> None:
             for context in args.contexts:
                 speed = measure(model, batch, context, args.new_tokens, args.repeats)
                 ratio = speed["paged"] / speed["DynamicCache"]
+                overhead_us = (batch / speed["paged"] - batch / speed["DynamicCache"]) * 1e6
                 rows.append(
-                    [label, batch, context, f"{speed['DynamicCache']:.0f}", f"{speed['paged']:.0f}", f"{ratio:.2f}x"]
+                    [
+                        label,
+                        batch,
+                        context,
+                        f"{speed['DynamicCache']:.0f}",
+                        f"{speed['paged']:.0f}",
+                        f"{ratio:.2f}x",
+                        f"{overhead_us:.0f}",
+                    ]
                 )
-                print(
-                    markdown_table(
-                        ["model", "batch", "context", "DynamicCache tok/s", "paged tok/s", "paged / Dynamic"], rows[-1:]
-                    ).splitlines()[-1],
-                    flush=True,
-                )
+                print(markdown_table(HEADERS, rows[-1:]).splitlines()[-1], flush=True)
     print()
-    print(markdown_table(["model", "batch", "context", "DynamicCache tok/s", "paged tok/s", "paged / Dynamic"], rows))
+    print(markdown_table(HEADERS, rows))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ Peak KV is the most KV memory held at once: the Engine's peak blocks, the larges
 preallocated cache of `generate_batch`.
 
 Usage: python benchmarks/engine_throughput.py [--model tiny|smollm2] [--requests 200] [--budget-tokens 8192]
+       [--systems engine static generate_batch]
 """
 
 from __future__ import annotations
@@ -50,7 +51,10 @@ def run_engine(model, requests, budget_tokens: int, block_size: int):
     outputs = engine.generate([p for p, _ in requests], params)
     elapsed = time.perf_counter() - start
     stats = engine.last_stats
-    extra = f"{stats.preemptions} preemptions, {stats.decode_steps} decode steps, peak {stats.peak_blocks} blocks"
+    extra = (
+        f"{stats.preemptions} preemptions, {stats.decode_steps} decode steps, peak {stats.peak_blocks} blocks, "
+        f"{elapsed / max(stats.num_steps, 1) * 1e3:.2f} ms/step"
+    )
     engine.close()
     return elapsed, sum(len(o.token_ids) for o in outputs), stats.peak_blocks * block_size, extra
 
@@ -120,18 +124,28 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--scale", type=float, default=0.25)
     parser.add_argument("--max-length", type=int, default=256)
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        default=["engine", "static", "generate_batch"],
+        choices=["engine", "static", "generate_batch"],
+    )
     args = parser.parse_args()
 
     torch.manual_seed(0)
     model, label = load_model(args.model)
     requests = workload(args.requests, args.scale, args.max_length, model.config.vocab_size)
     bytes_per_token = KVShape.from_model(model).bytes_per_token
-    runs = {
-        "hf_paged Engine": run_engine(model, requests, args.budget_tokens, args.block_size),
-        "stock generate, static batches": run_static(model, requests, args.budget_tokens),
-        "transformers generate_batch": run_generate_batch(model, requests, args.budget_tokens, args.block_size),
+    systems = {
+        "engine": ("hf_paged Engine", lambda: run_engine(model, requests, args.budget_tokens, args.block_size)),
+        "static": ("stock generate, static batches", lambda: run_static(model, requests, args.budget_tokens)),
+        "generate_batch": (
+            "transformers generate_batch",
+            lambda: run_generate_batch(model, requests, args.budget_tokens, args.block_size),
+        ),
     }
-    baseline = runs["stock generate, static batches"]
+    runs = {label: run() for key, (label, run) in systems.items() if key in args.systems}
+    baseline = runs.get("stock generate, static batches")
     rows = []
     for name, (elapsed, generated, peak_tokens, notes) in runs.items():
         tokens_per_s = generated / elapsed
@@ -139,7 +153,7 @@ def main() -> None:
             [
                 name,
                 f"{tokens_per_s:,.0f}",
-                f"{tokens_per_s / (baseline[1] / baseline[0]):.2f}x",
+                "-" if baseline is None else f"{tokens_per_s / (baseline[1] / baseline[0]):.2f}x",
                 f"{elapsed:.1f}",
                 f"{peak_tokens * bytes_per_token / 2**20:.1f}",
                 notes,

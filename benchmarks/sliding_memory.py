@@ -1,5 +1,5 @@
 """Sliding-window models: peak KV bytes and decode time of a long generation, DynamicCache vs paged with and without
-releasing the blocks behind the window.
+giving back the blocks its window skipped.
 
 Models (random weights, fp32, built from configs): a Mistral-style model whose every layer slides, a Gemma2-style
 hybrid (sliding and full layers alternate) and a Gemma3-style hybrid (five sliding layers to one full); 6 layers,
@@ -8,7 +8,7 @@ width 256, 4 KV heads of 64, window `--window`. A batch of `--batch` prompts of 
 
 - DynamicCache: transformers' own cache (its sliding layers keep the last window - 1 tokens); peak KV bytes are the
   sizes of its K/V tensors, read after every update.
-- paged, release off: `cache.sliding_release_window = None`, every layer keeps every block (what a single block
+- paged, release off: `cache.skip_window = None`, every layer keeps every block (what a single block
   table per row must do on a hybrid model).
 - paged: the default; sliding layer groups give back the blocks behind their window.
 Paged peak KV bytes = the most distinct blocks the cache held x bytes per block (`KVShape.bytes_per_block_token` x
@@ -90,7 +90,7 @@ def run(model, input_ids, new: int, mode: str):
         return out, meter.peak, seconds
     cache = hf_paged.PagedCache(model, block_size=BLOCK_SIZE)
     if mode == "paged, release off":
-        cache.sliding_release_window = None
+        cache.skip_window = None
     start = time.perf_counter()
     out = model.generate(**kwargs, past_key_values=cache)
     seconds = time.perf_counter() - start

@@ -40,12 +40,12 @@ class BlockTable:
     """Logical → physical block mapping of one sequence.
 
     `block_ids[i]` is the physical block holding tokens `[i * block_size, (i + 1) * block_size)` of the sequence,
-    or `None` once `BlockAllocator.release_leading` gave that block back (tokens no sliding-window layer attends to
-    again; released entries always form a leading run). Tables are created and changed only through their
-    `BlockAllocator`.
+    or `None` once `BlockAllocator.free_skipped` gave that block back (tokens a sliding window skipped: no layer of
+    the table's group attends to them again; skipped entries always form a leading run). Tables are created and
+    changed only through their `BlockAllocator`.
 
     Attributes:
-        block_ids (`list[int | None]`): physical block ids, in logical order (`None`: released).
+        block_ids (`list[int | None]`): physical block ids, in logical order (`None`: skipped, given back).
         num_tokens (`int`): tokens recorded in the table.
     """
 
@@ -55,8 +55,8 @@ class BlockTable:
     is_freed: bool = False
 
     @property
-    def num_released(self) -> int:
-        """Leading blocks given back by `BlockAllocator.release_leading` (their entries are `None`)."""
+    def num_skipped(self) -> int:
+        """Leading blocks given back by `BlockAllocator.free_skipped` (their entries are `None`)."""
         count = 0
         for block_id in self.block_ids:
             if block_id is not None:
@@ -88,8 +88,8 @@ class AllocatorStats:
     `tokens_stored` counts each physical block once (a block shared by four tables holds its tokens once), and
     `waste_fraction = (slots_allocated - tokens_stored) / slots_allocated` (0 when nothing is allocated). Prefix
     cache: `num_cached` full blocks are indexed by content hash (in use or not), `num_evictable` of them are held by
-    no table (they count as free), `prefix_queries` lookups found `prefix_hits` tokens, and `evictions` cached blocks
-    were reused for other content.
+    no table (they count as free), `prefix_queries` lookups let their callers reuse `prefix_tokens_reused` tokens, and
+    `evictions` cached blocks were reused for other content.
     """
 
     num_blocks: int
@@ -105,7 +105,7 @@ class AllocatorStats:
     num_cached: int = 0
     num_evictable: int = 0
     prefix_queries: int = 0
-    prefix_hits: int = 0
+    prefix_tokens_reused: int = 0
     evictions: int = 0
 
 
@@ -164,7 +164,7 @@ class BlockAllocator:
         self._block_tokens: dict[int, tuple[int, ...]] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._prefix_queries = 0
-        self._prefix_hits = 0
+        self._prefix_tokens_reused = 0
         self._evictions = 0
 
     # ------------------------------------------------------------------ queries
@@ -245,16 +245,21 @@ class BlockAllocator:
         """
         return self.append_all([(table, num_new_tokens)])
 
-    def append_all(self, requests: list[tuple[BlockTable, int]], what: str | None = None) -> list[BlockCopy]:
+    def append_all(
+        self, requests: list[tuple[BlockTable, int]], what: str | None = None, keep_free: int = 0
+    ) -> list[BlockCopy]:
         """`append` for several `(table, num_new_tokens)` at once: all of them, or (`PoolExhaustedError`) none.
 
-        `what` names the request in the error message.
+        `what` names the request in the error message; `keep_free` blocks must stay free afterwards (a reserve the
+        caller holds for other tables' next tokens).
         """
         with self.lock:
             needed = self.num_blocks_needed_for(requests)
-            if needed > self.num_free:
+            if needed + keep_free > self.num_free:
                 what = what or f"appending {sum(count for _, count in requests)} token(s)"
-                raise PoolExhaustedError(needed, self.num_free, what=what, num_blocks=self.num_blocks)
+                if keep_free:
+                    what += f" while keeping {keep_free} block(s) free"
+                raise PoolExhaustedError(needed + keep_free, self.num_free, what=what, num_blocks=self.num_blocks)
             copies = []
             for table, num_new_tokens in requests:
                 if num_new_tokens:
@@ -301,7 +306,7 @@ class BlockAllocator:
         """Keep only the first `num_tokens` tokens of `table`; blocks no longer needed are released.
 
         Raises:
-            ValueError: `num_tokens` is out of range, or would end the table inside a released block.
+            ValueError: `num_tokens` is out of range, or would end the table inside a skipped block.
         """
         with self.lock:
             self._check_live(table)
@@ -311,25 +316,25 @@ class BlockAllocator:
             if keep and table.block_ids[keep - 1] is None:
                 raise ValueError(
                     f"cannot truncate {table!r} to {num_tokens} tokens: its first "
-                    f"{table.num_released * self.block_size} tokens were released (release_leading), so it cannot "
-                    f"end before token {table.num_released * self.block_size + 1}"
+                    f"{table.num_skipped * self.block_size} tokens were skipped and given back (free_skipped), so it "
+                    f"cannot end before token {table.num_skipped * self.block_size + 1}"
                 )
             dropped = table.block_ids[keep:]
             del table.block_ids[keep:]
             table.num_tokens = num_tokens
             self._release_blocks([block_id for block_id in dropped if block_id is not None])
 
-    def release_leading(self, table: BlockTable, num_dead_tokens: int) -> int:
-        """Give back the blocks holding only the first `num_dead_tokens` tokens of `table` (tokens that will never
-        be read again, e.g. behind every layer's sliding window): each block `b` with
-        `(b + 1) * block_size <= num_dead_tokens` loses this table's reference and its entry becomes `None`.
+    def free_skipped(self, table: BlockTable, num_skipped_tokens: int) -> int:
+        """Give back the blocks holding only the first `num_skipped_tokens` tokens of `table` (tokens its sliding
+        window skipped, never read again; see `groups.skipped_tokens`): each block `b` with
+        `(b + 1) * block_size <= num_skipped_tokens` loses this table's reference and its entry becomes `None`.
 
-        The table keeps counting those tokens (`num_tokens` and positions do not change). A released block that no
-        other table holds joins the free queue, or, when it is in the prefix index, the evictable list. Entries
-        already released are skipped.
+        The table keeps counting those tokens (`num_tokens` and positions do not change). A block that no other
+        table holds joins the free queue, or, when it is in the prefix index, the evictable list. Entries already
+        given back are left as they are.
 
         Returns:
-            `int`: blocks released by this call.
+            `int`: blocks given back by this call.
 
         Example:
 
@@ -338,7 +343,7 @@ class BlockAllocator:
         >>> allocator = BlockAllocator(num_blocks=8, block_size=4)
         >>> table = allocator.new_table()
         >>> _ = allocator.append(table, 10)
-        >>> allocator.release_leading(table, 9), table.block_ids, allocator.free_block_ids
+        >>> allocator.free_skipped(table, 9), table.block_ids, allocator.free_block_ids
         (2, [None, None, 2], [3, 4, 5, 6, 7, 0, 1])
         >>> allocator.free(table)
 
@@ -346,18 +351,19 @@ class BlockAllocator:
         """
         with self.lock:
             self._check_live(table)
-            if isinstance(num_dead_tokens, bool) or not isinstance(num_dead_tokens, int):
-                raise TypeError(f"num_dead_tokens must be an int, got {num_dead_tokens!r}")
-            if not 0 <= num_dead_tokens <= table.num_tokens:
+            if isinstance(num_skipped_tokens, bool) or not isinstance(num_skipped_tokens, int):
+                raise TypeError(f"num_skipped_tokens must be an int, got {num_skipped_tokens!r}")
+            if not 0 <= num_skipped_tokens <= table.num_tokens:
                 raise ValueError(
-                    f"num_dead_tokens must be in [0, {table.num_tokens}] (the table's tokens), got {num_dead_tokens}"
+                    f"num_skipped_tokens must be in [0, {table.num_tokens}] (the table's tokens), "
+                    f"got {num_skipped_tokens}"
                 )
-            released = []
-            for index in range(table.num_released, num_dead_tokens // self.block_size):
-                released.append(table.block_ids[index])
+            skipped = []
+            for index in range(table.num_skipped, num_skipped_tokens // self.block_size):
+                skipped.append(table.block_ids[index])
                 table.block_ids[index] = None
-            self._release_blocks(released)
-            return len(released)
+            self._release_blocks(skipped)
+            return len(skipped)
 
     def free(self, table: BlockTable) -> None:
         """Release every block of `table` (blocks whose refcount reaches 0 join the back of the free queue)."""
@@ -400,7 +406,7 @@ class BlockAllocator:
 
     def lookup_prefix(self, chain: list[tuple[bytes, tuple[int, ...]]]) -> list[int]:
         """The cached blocks holding the longest prefix of `chain` (`(block hash, block tokens)` per full block),
-        verified token by token; one query in `stats()`."""
+        verified token by token; one query in `stats()`, whose caller is taken to reuse every block found."""
         with self.lock:
             found = []
             for block_hash, tokens in chain:
@@ -408,12 +414,12 @@ class BlockAllocator:
                 if block_id is None:
                     break
                 found.append(block_id)
-            self.record_prefix_query(len(found) * self.block_size)
+            self.record_prefix_reuse(len(found) * self.block_size)
             return found
 
     def lookup_blocks(self, chain: list[tuple[bytes, tuple[int, ...]]]) -> list[int | None]:
         """The cached block of every link of `chain`, each looked up on its own and verified token by token
-        (`None` where not cached); not counted in `stats()` (see `record_prefix_query`)."""
+        (`None` where not cached); not counted in `stats()` (see `record_prefix_reuse`)."""
         with self.lock:
             return [self._cached_block(block_hash, tokens) for block_hash, tokens in chain]
 
@@ -421,17 +427,17 @@ class BlockAllocator:
         block_id = self._hash_to_block.get(block_hash)
         return None if block_id is None or self._block_tokens[block_id] != tuple(tokens) else block_id
 
-    def record_prefix_query(self, num_tokens_found: int) -> None:
-        """Count one prefix-cache query that found `num_tokens_found` tokens."""
+    def record_prefix_reuse(self, num_tokens: int) -> None:
+        """Count one prefix-cache query whose caller reused `num_tokens` cached tokens (0: a miss)."""
         with self.lock:
             self._prefix_queries += 1
-            self._prefix_hits += num_tokens_found
+            self._prefix_tokens_reused += num_tokens
 
     def share_cached(self, table: BlockTable, block_ids: list[int | None]) -> None:
         """Append cached full blocks to `table` (which must end on a block boundary), taking a reference to each.
 
         A leading run of `None` entries (in a table that holds no block yet) records blocks the table starts
-        without: tokens behind a sliding window, counted but never read (as after `release_leading`).
+        without: tokens its sliding window skipped, counted but never read (as after `free_skipped`).
         """
         with self.lock:
             self._check_live(table)
@@ -459,7 +465,7 @@ class BlockAllocator:
             if old == block_id:
                 return
             if old is None:
-                raise ValueError(f"block {index} of {table!r} was released and cannot be replaced")
+                raise ValueError(f"block {index} of {table!r} was skipped (given back) and cannot be replaced")
             if block_id not in self._block_hash or self._fill[old] != self.block_size:
                 raise ValueError(f"block {old} can only be replaced by a cached block holding the same full content")
             self._acquire_cached(block_id)
@@ -501,7 +507,7 @@ class BlockAllocator:
                 num_cached=len(self._hash_to_block),
                 num_evictable=len(self._evictable),
                 prefix_queries=self._prefix_queries,
-                prefix_hits=self._prefix_hits,
+                prefix_tokens_reused=self._prefix_tokens_reused,
                 evictions=self._evictions,
             )
 
@@ -515,9 +521,9 @@ class BlockAllocator:
            cleared when the block is reused), and evictable blocks all carry one;
         5. writes go only to blocks with refcount 1 (`append` copies a shared block first and checks this before
            every write), so no table claims a slot that was never written: its tokens in a block <= the block's fill;
-        6. a table of n tokens has ceil(n / block_size) entries (released ones, `None`, included);
+        6. a table of n tokens has ceil(n / block_size) entries (skipped ones, `None`, included);
         7. with no live tables, every block is free (evictable cached blocks count as free);
-        8. released entries (`None`) form a leading run of a table's entries and hold no reference.
+        8. skipped entries (`None`) form a leading run of a table's entries and hold no reference.
         """
         with self.lock:
             free = list(self._free) + list(self._evictable)
@@ -533,10 +539,10 @@ class BlockAllocator:
                         f"invariant 6: {table!r} holds {len(table.block_ids)} blocks for {table.num_tokens} tokens "
                         f"(expected {want})"
                     )
-                released = table.num_released
-                if None in table.block_ids[released:]:
-                    raise InvariantError(f"invariant 8: {table!r} has a released entry after a live one")
-                for index, block_id in enumerate(table.block_ids[released:], start=released):
+                skipped = table.num_skipped
+                if None in table.block_ids[skipped:]:
+                    raise InvariantError(f"invariant 8: {table!r} has a skipped entry after a live one")
+                for index, block_id in enumerate(table.block_ids[skipped:], start=skipped):
                     self._check_block_id(block_id)
                     expected[block_id] += 1
                     held = min(self.block_size, table.num_tokens - index * self.block_size)

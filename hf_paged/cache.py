@@ -7,18 +7,14 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache
 
-from .allocator import BlockAllocator, tokens_per_block
+from .allocator import tokens_per_block
+from .batch import ForwardBatch, ForwardInputs
+from .batch_cache import BatchCache
 from .config import PagedCacheConfig
-from .forward import ForwardBoundCache, attach_to_model
-from .groups import KVLayout
-from .layer import PagedLayer, layer_windows
-from .plan import ForwardInputs, ForwardPlan, address_tables, duplicate_row_leaders, extend_addressing
-from .pool import BlockPool, get_pool
-from .prefix import group_roots, prefix_namespace, root_hash
+from .planner import ForwardPlanner, duplicate_row_leaders
+from .prompt_prefix import common_prompt_length, prompt_tokens
 from .rows import Row
-from .support import check_supported
 
 logger = logging.getLogger(__name__)
 
@@ -49,15 +45,7 @@ class CacheStats:
     block_size: int
 
 
-def _free_rows(allocator: BlockAllocator, rows: list[Row]) -> None:
-    """Return every row's blocks (also the finalizer of a dropped cache: it holds no reference to the cache)."""
-    with allocator.lock:
-        for row in rows:
-            row.free(allocator)
-        rows.clear()
-
-
-class PagedCache(Cache, ForwardBoundCache):
+class PagedCache(BatchCache):
     """A KV cache whose rows own block tables in the model's global `BlockPool`.
 
     Blocks are taken one at a time as tokens arrive, pad tokens of left-padded batches are never stored, rows that
@@ -65,9 +53,14 @@ class PagedCache(Cache, ForwardBoundCache):
     block is copied only when a row writes into it. Full blocks are indexed by content (prefix caching): a later
     prompt that starts with cached blocks shares them and skips their prefill. Blocks go back to the pool on
     `reset()`/`release()` or when the cache is garbage collected. Sliding-window layers give back, during
-    generation, the blocks their window has left behind: all of a row's blocks when every layer slides
-    (Mistral-style), those of the sliding layer groups in hybrid models (Gemma2/3, see `KVLayout`), while the
-    full-attention groups keep theirs.
+    generation, the blocks their window skipped: all of a row's blocks when every layer slides (Mistral-style),
+    those of the sliding layer groups in hybrid models (Gemma2/3, see `KVLayout`), while the full-attention groups
+    keep theirs.
+
+    Every forward is planned before the model runs, in the forward pre-hook hf_paged installs on the model: the
+    cache's `ForwardPlanner` takes the blocks of the new tokens (all or nothing) and addresses them. `update` (see
+    `BatchCache`) only writes and reads; under the `"hf_paged"` attention it returns just the new tokens, and the
+    attention reads the rest through the block tables.
 
     Args:
         model (`PreTrainedModel`): the model this cache serves; its pool is `hf_paged.get_pool(model)`.
@@ -76,10 +69,10 @@ class PagedCache(Cache, ForwardBoundCache):
 
     Attributes:
         layout (`KVLayout`): the model's layer groups; every row holds one block table per group.
-        sliding_release_window (`int | None`): the widest window `W` of the sliding layer groups: before each
-            forward a row gives back those groups' blocks holding only tokens older than its last `W - 1`, so a long
-            generation holds about `W / block_size + 2` blocks per row in each of them. `None` when no layer slides.
-            Setting it overrides the window of every sliding group (`None` keeps every block).
+        skip_window (`int | None`): the widest window `W` by which the sliding layer groups skip blocks: before
+            each forward a row gives back those groups' blocks holding only tokens older than its last `W - 1`, so a
+            long generation holds about `W / block_size + 2` blocks per row in each of them. `None` when no layer
+            slides. Setting it overrides the window of every sliding group (`None` keeps every block).
 
     Example:
 
@@ -102,64 +95,23 @@ class PagedCache(Cache, ForwardBoundCache):
 
     def __init__(self, model: torch.nn.Module, **cache_config):
         self.cache_config = PagedCacheConfig.from_dict(cache_config)
-        check_supported(model)
-        text_config = model.config.get_text_config(decoder=True)
-        self.pool: BlockPool = get_pool(model, config=self.cache_config)
-        windows = layer_windows(model, text_config)
-        layers = [PagedLayer(self, i, window) for i, window in enumerate(windows)]
-        super().__init__(layers=layers)
-        layout = self.pool.layout
-        if layout is None or len(layout.group_of) != len(windows):
-            layout = KVLayout.for_windows(windows, split=False)
-        self.layout: KVLayout = layout
-        self._release_windows = layout.windows  # per group; None: the group keeps its blocks
-        self._model_ref = weakref.ref(model)
-        self._model_name = type(model).__name__
-        self._prefix_caching = self.cache_config.resolved_prefix_caching
-        self._root = root_hash(prefix_namespace(model))
-        self._roots = group_roots(self._root, layout.num_groups)
-        self._rows: list[Row] = []
+        super().__init__(model, ForwardPlanner.for_model(model, self.cache_config))
+        pool = self.pool
+        self._rows: list[Row] = []  # owned: freed by reset/release, or by the finalizer when the cache is dropped
         self._seq_length = 0
-        self._plan: ForwardPlan | None = None
-        self._pending: ForwardInputs | None = None
-        self._scheduled: list[int] | None = None  # tokens each row stores in the next forward (`schedule`)
+        self._pending: ForwardInputs | None = None  # a forward's inputs, when their shape was unknown to the hook
+        self._batch_created_rows = False  # the current batch created the rows (its first forward)
         self._cow_copies = 0
         self._peak_blocks = 0
-        self._layers_per_forward = 0  # most layers seen writing in one forward
         self._prefix_reused = 0
         self._released = False
-        self._finalizer = weakref.finalize(self, _free_rows, self.pool.allocator, self._rows)
-        attach_to_model(model)
+        self._finalizer = weakref.finalize(self, pool.free_rows, self._rows)
 
-    # ------------------------------------------------------------------ read-only views
+    # ------------------------------------------------------------------ views
     @property
-    def row_tables(self) -> list:
-        """The `BlockTable` of every row in the first layer group, the only one unless the model is a hybrid (do not
-        modify)."""
-        return [row.table for row in self._rows]
-
-    @property
-    def group_tables(self) -> list[list]:
-        """`group_tables[g][i]`: the `BlockTable` of row `i` in layer group `g` (see `layout`; do not modify)."""
-        return [[row.tables[group] for row in self._rows] for group in range(self.layout.num_groups)]
-
-    @property
-    def release_windows(self) -> list[int | None]:
-        """The release window of every layer group (`None`: the group keeps its blocks)."""
-        return list(self._release_windows)
-
-    @property
-    def sliding_release_window(self) -> int | None:
-        return max((w for w in self._release_windows if w is not None), default=None)
-
-    @sliding_release_window.setter
-    def sliding_release_window(self, window: int | None) -> None:
-        self._release_windows = [None if g.window is None else window for g in self.layout.groups]
-
-    @property
-    def leading_pads(self) -> list[int]:
-        """Left-pad positions of every row, which hold no block slots."""
-        return [row.leading_pads for row in self._rows]
+    def rows(self) -> list[Row]:
+        """The cache's rows (do not modify)."""
+        return self._rows
 
     @property
     def row_tokens(self) -> list[list[int] | None]:
@@ -167,34 +119,14 @@ class PagedCache(Cache, ForwardBoundCache):
         return [None if row.tokens is None else list(row.tokens) for row in self._rows]
 
     @property
-    def batch_size(self) -> int:
-        return len(self._rows)
-
-    @property
-    def prefix_caching(self) -> bool:
-        return self._prefix_caching
-
-    @property
     def prefix_root(self) -> bytes:
         """Root of this cache's prefix-hash chains (the model, dtype, adapters and weights it was built for)."""
-        return self._root
-
-    def stop_prefix_caching(self) -> None:
-        """Stop addressing this cache's blocks by token ids, for good: no prefix lookups, and no block it fills from
-        now on is indexed. hf_paged calls it when a forward's K/V depend on more than the token ids (images,
-        `inputs_embeds`, ...), so a request is never served another request's image K/V behind the same
-        placeholder ids, and never skips a prompt position whose other inputs the model must still consume."""
-        self._prefix_caching = False
-        for row in self._rows:
-            row.record(None)
+        return self.planner.root
 
     def refresh_prefix_root(self) -> bytes:
         """Recompute `prefix_root` from the model as it is now (its weights may have been trained since)."""
         model = self._model_ref()
-        if model is not None:
-            self._root = root_hash(prefix_namespace(model))
-            self._roots = group_roots(self._root, self.layout.num_groups)
-        return self._root
+        return self.planner.root if model is None else self.planner.refresh_root(model)
 
     @property
     def is_released(self) -> bool:
@@ -219,231 +151,101 @@ class PagedCache(Cache, ForwardBoundCache):
         distinct = {block_id for row in self._rows for block_id in row.live_block_ids}
         self._peak_blocks = max(self._peak_blocks, len(distinct))
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        """The padded length, equal for every row."""
+    def _cached_length(self) -> int:
         return self._seq_length
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.layers[layer_idx].get_mask_sizes(query_length)
-
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return -1
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
 
     @property
     def is_croppable(self) -> bool:
         return True
 
-    # ------------------------------------------------------------------ forward protocol
-    def bind_forward(self, model: torch.nn.Module, inputs: ForwardInputs) -> None:
-        """Called before each forward of `model` (by the forward pre-hook hf_paged installs) with its inputs."""
-        self._settle()
-        owner = self._model_ref()
-        if owner is not model:
-            raise ValueError(
-                f"this PagedCache was built for a {self._model_name} (id {id(owner):#x}) and cannot be used with a "
-                f"{type(model).__name__} (id {id(model):#x}); build one PagedCache per model"
-            )
-        self._pending = inputs
-
-    def read_layer(self, layer_idx: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of `layer_idx` for every padded position it attends to, gathered through the block tables:
-        `[batch, num_kv_heads, length, head_dim]`."""
-        plan = self._plan
-        if plan is None:
-            raise RuntimeError("PagedCache.read_layer called before any update in this forward")
-        layer_idx = plan.last_layer if layer_idx is None else layer_idx
-        if layer_idx not in plan.layers_written:
-            raise RuntimeError(f"layer {layer_idx} did not write its K/V in this forward")
-        plan.layers_read.add(layer_idx)
-        storage = self.pool.storage
-        local = plan.groups[self.layout.group_of[layer_idx]].on(storage.device_of(layer_idx))
-        first = self.layers[layer_idx].first_visible(self._seq_length - plan.num_new)
-        slot_map = local.slot_map[:, first:] if first else local.slot_map
-        return storage.gather(layer_idx, slot_map, local.head_rows(storage.num_heads(layer_idx), first))
-
     def dense_layer(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """A copy of layer `layer_idx`'s K/V laid out as transformers' dynamic layers hold them:
-        `[batch, num_kv_heads, length, head_dim]` over the padded positions (a sliding-window layer: its last
-        `sliding_window - 1`), left-pad positions zero (they are never stored). `(None, None)` while the cache holds
-        no token. For inspection (`cache.layers[i].keys`); the pages themselves are not changed."""
         self._check_open()
-        length = self._seq_length
-        storage = self.pool.storage
-        if not self._rows or length == 0 or not storage.has_layer(layer_idx):
-            return None, None
-        device = storage.device_of(layer_idx)
-        tables = [row.tables[self.layout.group_of[layer_idx]] for row in self._rows]
-        pads = self.leading_pads
-        addressing = address_tables(tables, pads, self.pool.block_size, length, 0, device)
-        first = self.layers[layer_idx].first_visible(length)
-        keys, values = storage.gather(layer_idx, addressing.slot_map[:, first:])
-        position = torch.arange(first, length, device=device)
-        stored = (position[None, :] >= torch.tensor(pads, device=device)[:, None])[:, None, :, None]
-        return keys.where(stored, 0), values.where(stored, 0)
+        return super().dense_layer(layer_idx)
 
-    def reads_tables_in_attention(self) -> bool:
-        return self._plan is not None and self._plan.reads_tables
+    dense_layer.__doc__ = BatchCache.dense_layer.__doc__
 
-    def _write_layer(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):
-        plan = self._plan
-        if plan is not None:
-            self._check_tables_were_read(plan, layer_idx)
-        if plan is None or layer_idx in plan.layers_written:
-            plan = self._plan_forward(key_states)
-        plan.layers_written.add(layer_idx)
-        plan.last_layer = layer_idx
-        batch, num_heads, num_new, head_dim = key_states.shape
-        local = plan.groups[self.layout.group_of[layer_idx]].on(key_states.device)
-        new_keys = key_states.transpose(1, 2).reshape(batch * num_new, num_heads, head_dim)
-        new_values = value_states.transpose(1, 2).reshape(batch * num_new, num_heads, head_dim)
-        if local.write_index is not None:
-            new_keys = new_keys.index_select(0, local.write_index)
-            new_values = new_values.index_select(0, local.write_index)
-        self.pool.storage.write(layer_idx, local.write_slots, new_keys, new_values)
-        if len(plan.layers_written) == len(self.layers):  # every layer wrote: full blocks can be found by others
-            with self.pool.allocator.lock:
-                self._cache_full_blocks(share=False)
-        if plan.reads_tables:
-            return key_states, value_states
-        return self.read_layer(layer_idx)
+    # ------------------------------------------------------------------ planning each forward
+    def run(self, batch: ForwardBatch) -> None:
+        raise TypeError("a PagedCache plans its own forwards; run() is for a BatchCache")
 
-    def _check_tables_were_read(self, plan: ForwardPlan, layer_idx: int) -> None:
-        """Under the `"hf_paged"` attention `update` hands back only the new tokens: the layer that wrote last must
-        have read its K/V through the tables, or its attention saw only those tokens (a model whose attention does
-        not dispatch to the registered function). Checked when the next layer, or the next complete forward, writes.
-        """
-        last = plan.last_layer
-        if not plan.reads_tables or last is None or last in plan.layers_read:
-            return
-        if layer_idx in plan.layers_written and len(plan.layers_written) < len(self.layers):
-            return  # an unfinished forward: dropped by `_settle`, not a layer that skipped its read
-        raise NotImplementedError(
-            f"{self._model_name}: layer {last} stored its K/V in the paged cache but its attention did not read them "
-            "back through the block tables (the model does not route that attention through the 'hf_paged' "
-            "attention function), so it would have attended to the new tokens only. Generate with "
-            "cache_config={'attn_implementation': 'sdpa'} (or 'eager') to read dense K/V instead."
-        )
-
-    def _plan_forward(self, key_states: torch.Tensor) -> ForwardPlan:
+    def prepare_forward(self, model: torch.nn.Module, inputs: ForwardInputs) -> None:
+        """Plan the coming forward of `model` (called by the forward pre-hook with its inputs): its rows take the
+        blocks of its new tokens before the model runs."""
         self._settle()
-        batch, num_new = key_states.shape[0], key_states.shape[-2]
-        inputs = self._pending or ForwardInputs()
-        scheduled, self._pending, self._scheduled = self._scheduled, None, None
-        allocator = self.pool.allocator
-        with allocator.lock:
-            if self._cache_full_blocks():  # the last forward's full blocks: every layer has written them now
-                self._plan = None
-            if self._release_dead_blocks():
-                self._plan = None
-            free_before = allocator.num_free
-            created = False if scheduled is not None else self._ensure_rows(batch)
-            try:
-                if scheduled is not None:
-                    stores, pads = self._check_scheduled(scheduled, batch, num_new), [0] * batch
-                else:
-                    stores, pads = self._tokens_to_store(inputs.attention_mask, batch, num_new)
-                leaders = duplicate_row_leaders(inputs, batch, num_new) if created else None
-                writers = None if leaders is None else [leader == row for row, leader in enumerate(leaders)]
-                requests = [
-                    append
-                    for i, (row, count) in enumerate(zip(self._rows, stores))
-                    if not writers or writers[i]
-                    for append in row.appends(count)
-                ]
-                copies = allocator.append_all(requests, what=f"a forward of {batch} row(s) x {num_new} token(s)")
-            except BaseException:
-                if created:
-                    _free_rows(allocator, self._rows)
-                raise
-            new_ids = self._new_token_ids(inputs, batch, num_new)
-            for index, row in enumerate(self._rows):
-                row.leading_pads += pads[index]
-                if not writers or writers[index]:
-                    row.record(None if new_ids is None else new_ids[index][num_new - stores[index] :])
-            if leaders is not None:  # identical prompts: one copy of the blocks, shared by refcount
-                for index, leader in enumerate(leaders):
-                    if leader != index:
-                        self._rows[index].free(allocator)
-                        self._rows[index] = self._rows[leader].fork(allocator)
-            self._seq_length += num_new
-            self.pool.storage.copy_blocks(copies)
-            self._cow_copies += len(copies)
-            if allocator.num_free != free_before:
-                self._note_peak_blocks()
-            previous = self._plan
-            appended_only = not created and not copies and not any(pads) and min(stores) == num_new
-            size, length, device = allocator.block_size, self._seq_length, key_states.device
-            row_pads = [row.leading_pads for row in self._rows]
-            addressing = []
-            for group in range(self.layout.num_groups):  # one slot map per layer group, used by its layers
-                tables = [row.tables[group] for row in self._rows]
-                if previous is not None and appended_only:
-                    addressing.append(extend_addressing(previous.groups[group], tables, size, num_new))
-                else:
-                    addressing.append(address_tables(tables, row_pads, size, length, num_new, device, stores, writers))
-            self._plan = ForwardPlan(addressing, inputs.reads_tables, num_new)
-        return self._plan
-
-    def _release_dead_blocks(self) -> bool:
-        """Sliding layer groups: give back each row's leading blocks that the group's layers do not attend to in the
-        coming forward (a row of `n` tokens reads from logical position `n - W + 1` on). Returns whether a block was
-        released."""
-        if not any(window is not None for window in self._release_windows):
-            return False
-        allocator = self.pool.allocator
-        return sum(row.release_behind(allocator, self._release_windows) for row in self._rows) > 0
-
-    def _released_past(self, new_length: int) -> list[int]:
-        """Rows that keeping only `new_length` padded positions would leave reading released blocks."""
-        size = self.pool.block_size
-        return [
-            index
-            for index, row in enumerate(self._rows)
-            if row.reads_released(new_length - min(row.leading_pads, new_length), self._release_windows, size)
-        ]
-
-    def _check_scheduled(self, scheduled: list[int], batch: int, num_new: int) -> list[int]:
-        if len(scheduled) != batch or max(scheduled) > num_new:
-            raise ValueError(
-                f"the forward has {batch} row(s) x {num_new} new position(s) but {len(scheduled)} row(s) storing up "
-                f"to {max(scheduled)} token(s) were scheduled"
-            )
-        return scheduled
-
-    def _forget_unfinished_forward(self) -> None:
-        """If the last forward stopped before every layer wrote (an exception inside the model), drop its tokens:
-        some layers never stored their K/V for them."""
-        previous = self._plan
-        if previous is None:
+        self._check_model(model)
+        self._check_finished_forward()
+        if inputs.beyond_token_ids and self.prefix_caching:
+            self.stop_prefix_caching()
+        self._batch, self._pending = None, None
+        if inputs.shape is None:
+            self._pending = inputs  # planned at the first write, from the shape of the K/V
             return
-        written = len(previous.layers_written)
-        if written < self._layers_per_forward:
-            logger.warning(
-                "hf_paged: the last forward stopped after %d of %d layers; its tokens are dropped",
-                written,
-                self._layers_per_forward,
+        self._batch = self._plan(*inputs.shape, inputs, inputs.device)
+
+    def _batch_for(self, layer_idx: int, key_states: torch.Tensor) -> ForwardBatch:
+        batch = self._batch
+        shape = (key_states.shape[0], key_states.shape[-2])
+        if batch is not None and layer_idx not in batch.layers_written:
+            if (batch.batch_size, batch.num_new) == shape:
+                return batch
+            # the model changed the number of positions inside its forward: plan it again from the K/V's shape
+            self._drop_batch()
+            inputs = ForwardInputs(reads_tables=batch.reads_tables)
+        else:  # a forward the pre-hook did not see (the inner model called directly, or a second forward)
+            self._settle()
+            inputs = self._pending or ForwardInputs()
+        self._batch, self._pending = self._plan(*shape, inputs, key_states.device), None
+        return self._batch
+
+    def _plan(self, batch_size: int, num_new: int, inputs: ForwardInputs, device) -> ForwardBatch:
+        """Take the blocks of a forward of `batch_size` rows x `num_new` positions and address them."""
+        planner = self.planner
+        planner.prepare(self._rows)  # the last forward's full blocks, and blocks the windows skipped
+        free_before = self.pool.num_free
+        created = self._ensure_rows(batch_size)
+        self._batch_created_rows = created
+        try:
+            stores, pads = self._tokens_to_store(inputs.attention_mask, batch_size, num_new)
+            leaders = duplicate_row_leaders(inputs, batch_size, num_new) if created else None
+            writers = None if leaders is None else [leader == row for row, leader in enumerate(leaders)]
+            writing = [i for i in range(batch_size) if writers is None or writers[i]]
+            copies = planner.take(
+                [self._rows[i] for i in writing],
+                [stores[i] for i in writing],
+                what=f"a forward of {batch_size} row(s) x {num_new} token(s)",
             )
-            self._truncate(self._seq_length - previous.num_new)
-            return
-        self._layers_per_forward = max(self._layers_per_forward, written)
+        except BaseException:
+            if created:
+                self.pool.free_rows(self._rows)
+            raise
+        new_ids = self._new_token_ids(inputs, batch_size, num_new)
+        for index, row in enumerate(self._rows):
+            row.leading_pads += pads[index]
+            if writers is None or writers[index]:
+                row.record(None if new_ids is None else new_ids[index][num_new - stores[index] :])
+        if leaders is not None:  # identical prompts: one copy of the blocks, shared by refcount
+            for index, leader in enumerate(leaders):
+                if leader != index:
+                    self.pool.free_rows([self._rows[index]])
+                    self._rows[index] = self.pool.fork_rows([self._rows[leader]])[0]
+        self._seq_length += num_new
+        self._cow_copies += copies
+        if self.pool.num_free != free_before:
+            self._note_peak_blocks()
+        past = self._seq_length - num_new
+        return planner.address(self._rows, past, num_new, stores, writers, copies, device, inputs.reads_tables)
 
     def _new_token_ids(self, inputs: ForwardInputs, batch: int, num_new: int) -> list[list[int]] | None:
         ids = inputs.input_ids
-        if not self._prefix_caching or ids is None or ids.dim() != 2 or ids.shape[0] != batch:
+        if not self.prefix_caching or ids is None or ids.dim() != 2 or ids.shape[0] != batch or ids.is_meta:
             return None
         return ids[:, -num_new:].tolist() if ids.shape[1] >= num_new else None
 
     def _ensure_rows(self, batch: int) -> bool:
         """Create the rows (first forward), or repeat each row to meet a batch `generate` expanded (a prompt cache of
         B rows meeting B x num_beams rows, repeated in interleaved order)."""
-        allocator = self.pool.allocator
         if not self._rows:
-            for _ in range(batch):
-                self._rows.append(Row.empty(allocator, self.layout.num_groups, self._prefix_caching))
+            self._rows.extend(self.pool.new_rows(batch, self.layout.num_groups, self.prefix_caching))
             return True
         if len(self._rows) == batch:
             return False
@@ -472,15 +274,10 @@ class PagedCache(Cache, ForwardBoundCache):
                 )
         return stores, pads
 
-    def _cache_full_blocks(self, share: bool = True) -> bool:
-        """Index the rows' full blocks by content; returns whether a table changed (a block was deduplicated, which
-        `share=False` defers)."""
-        if not self._prefix_caching:
-            return False
-        changed = False
-        for row in self._rows:
-            changed |= row.cache_full_blocks(self.pool.allocator, self._roots, share)
-        return changed
+    def _index_full_blocks(self) -> None:
+        """Put the rows' full blocks into the prefix index (sharing blocks whose content is cached already)."""
+        if self.prefix_caching and self.pool.index_full_blocks(self._rows, self.planner.roots):
+            self.planner.forget_previous()
 
     # ------------------------------------------------------------------ prompts and prefixes
     def start_from_prompt(
@@ -498,35 +295,33 @@ class PagedCache(Cache, ForwardBoundCache):
         At least one position is always left to compute (`generate` needs the last prompt token's logits).
         """
         self._settle()
-        if input_ids is None or input_ids.dim() != 2 or not self._prefix_caching:
+        if input_ids is None or input_ids.dim() != 2 or not self.prefix_caching:
             return 0
-        batch, width = input_ids.shape
-        mask = attention_mask if attention_mask is not None and attention_mask.shape == input_ids.shape else None
-        pads = [0] * batch if mask is None else (mask.to(torch.int32).cumsum(-1) == 0).sum(-1).tolist()
-        if mask is not None and int(mask.sum()) != sum(width - p for p in pads):
+        prompt = prompt_tokens(input_ids, attention_mask)
+        if prompt is None:
             return 0  # not plain left padding
-        tokens = [input_ids[row, pads[row] :].tolist() for row in range(batch)]
-        with self.pool.allocator.lock:
-            if self._rows:
-                return self._align_to_prompt(pads, tokens, width)
-            return self._reuse_cached_prefix(pads, tokens) if lookup else 0
+        pads, tokens = prompt
+        if self._rows:
+            return self._align_to_prompt(pads, tokens, input_ids.shape[1])
+        return self._reuse_cached_prefix(pads, tokens) if lookup else 0
 
     def _reuse_cached_prefix(self, pads: list[int], tokens: list[list[int]]) -> int:
         if len(set(pads)) != 1:
             return 0
-        allocator = self.pool.allocator
-        windows = self._release_windows
-        rows = [Row.from_prefix_cache(allocator, self._roots, windows, row_tokens) for row_tokens in tokens]
+        pool, roots, windows = self.pool, self.planner.roots, self.layout.windows
+        rows = [pool.cached_prefix_row(roots, windows, row_tokens, count_reuse=False) for row_tokens in tokens]
         num_tokens = min(row.num_tokens for row in rows)
-        if any(row.reads_released(num_tokens, windows, allocator.block_size) for row in rows):
+        if any(row.reads_skipped(num_tokens, windows, pool.block_size) for row in rows):
             # a longer hit started its sliding groups past blocks the common prefix reads: look up the common one
-            _free_rows(allocator, rows)
-            rows = [Row.from_prefix_cache(allocator, self._roots, windows, t[: num_tokens + 1]) for t in tokens]
+            pool.free_rows(rows)
+            rows = [pool.cached_prefix_row(roots, windows, t[: num_tokens + 1], count_reuse=False) for t in tokens]
+        for _ in rows:
+            pool.count_prefix_reuse(num_tokens)
         if num_tokens == 0:
-            _free_rows(allocator, rows)
+            pool.free_rows(rows)
             return 0
+        pool.truncate_rows(rows, num_tokens)
         for row in rows:
-            row.truncate(allocator, num_tokens)
             row.leading_pads = pads[0]
         self._rows.extend(rows)
         self._seq_length = pads[0] + num_tokens
@@ -535,28 +330,18 @@ class PagedCache(Cache, ForwardBoundCache):
         return self._seq_length
 
     def _align_to_prompt(self, pads: list[int], tokens: list[list[int]], width: int) -> int:
-        if len(self._rows) != len(tokens) or any(row.tokens is None for row in self._rows):
+        common = common_prompt_length(self._rows, pads, tokens, width)
+        if common is None:
             return 0
-        common = width - 1
-        for row, new_pads, new_tokens in zip(self._rows, pads, tokens):
-            if row.leading_pads != new_pads:
-                common = min(common, row.leading_pads, new_pads)
-                continue
-            same = 0
-            for old, new in zip(row.tokens, new_tokens):
-                if old != new:
-                    break
-                same += 1
-            common = min(common, new_pads + same)
-        if common < self._seq_length and self._released_past(common):
+        if common < self._seq_length and self._rows_reading_skipped(common):
             logger.info(
-                "hf_paged: the prompt leaves the cache at %d positions, before blocks it released behind the sliding "
-                "window; recomputing the prompt",
+                "hf_paged: the prompt leaves the cache at %d positions, before blocks its sliding window skipped; "
+                "recomputing the prompt",
                 common,
             )
-            _free_rows(self.pool.allocator, self._rows)
+            self.pool.free_rows(self._rows)
             self._seq_length = 0
-            self._plan = None
+            self._batch = None
             return self._reuse_cached_prefix(pads, tokens)
         if common < self._seq_length:
             logger.info(
@@ -564,6 +349,15 @@ class PagedCache(Cache, ForwardBoundCache):
             )
             self.crop(common - self._seq_length)
         return self._seq_length
+
+    def _rows_reading_skipped(self, new_length: int) -> list[int]:
+        """Rows that keeping only `new_length` padded positions would leave reading blocks their window skipped."""
+        size, windows = self.pool.block_size, self.layout.windows
+        return [
+            index
+            for index, row in enumerate(self._rows)
+            if row.reads_skipped(new_length - min(row.leading_pads, new_length), windows, size)
+        ]
 
     def fork(self, n: int | None = None) -> PagedCache | list[PagedCache]:
         """Caches that share every block of this one (nothing is copied; a shared partial block is copied when a
@@ -577,56 +371,16 @@ class PagedCache(Cache, ForwardBoundCache):
         model = self._model_ref()
         if model is None:
             raise RuntimeError("the model of this PagedCache is gone")
+        self._index_full_blocks()
         forks = []
-        options = self.cache_config.options()
-        with self.pool.allocator.lock:
-            self._cache_full_blocks()
-            for _ in range(n or 1):
-                twin = PagedCache(model, **options)
-                twin._rows.extend(row.fork(self.pool.allocator) for row in self._rows)
-                twin._seq_length = self._seq_length
-                twin._layers_per_forward = self._layers_per_forward  # so a fork notices its own unfinished forward
-                twin._note_peak_blocks()
-                forks.append(twin)
+        for _ in range(n or 1):
+            twin = PagedCache(model, **self.cache_config.options())
+            twin._rows.extend(self.pool.fork_rows(self._rows))
+            twin._seq_length = self._seq_length
+            twin._layers_per_forward = self._layers_per_forward  # so a fork notices its own unfinished forward
+            twin._note_peak_blocks()
+            forks.append(twin)
         return forks[0] if n is None else forks
-
-    # ------------------------------------------------------------------ continuous batching
-    def schedule(self, rows: list[Row], new_tokens: list[int]) -> list[int]:
-        """Run the next forward on `rows`, which the caller owns (the `Engine`'s requests), row `i` storing
-        `new_tokens[i]` new tokens.
-
-        The forward's layout right-aligns the rows: its padded length is `max(row tokens + new tokens)` and it
-        computes the last `max(new_tokens)` positions; positions a row already holds inside that window are
-        recomputed but not written again. Returns each row's left padding in that layout (the caller builds the
-        matching `input_ids`, `attention_mask` and `position_ids`). Call `detach_rows()` before freeing rows.
-        """
-        self._settle()
-        if not rows or len(rows) != len(new_tokens) or min(new_tokens) < 1:
-            raise ValueError(
-                f"schedule needs one positive new-token count per row, got {len(rows)} row(s) and {new_tokens}"
-            )
-        totals = [row.num_tokens + count for row, count in zip(rows, new_tokens)]
-        length = max(totals)
-        pads = [length - total for total in totals]
-        unchanged = len(rows) == len(self._rows) and all(
-            new is old and new.leading_pads == pad for new, old, pad in zip(rows, self._rows, pads)
-        )
-        if not unchanged:
-            self._plan = None
-        for row, pad in zip(rows, pads):
-            row.leading_pads = pad
-        self._rows[:] = rows
-        self._seq_length = length - max(new_tokens)
-        self._scheduled = list(new_tokens)
-        return pads
-
-    def detach_rows(self) -> None:
-        """Forget the rows given to `schedule` without freeing their blocks (their owner frees them)."""
-        self._rows.clear()
-        self._seq_length = 0
-        self._plan = None
-        self._pending = None
-        self._scheduled = None
 
     # ------------------------------------------------------------------ row operations used by generate
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -648,12 +402,10 @@ class PagedCache(Cache, ForwardBoundCache):
         bad = [i for i in sources if not 0 <= i < len(self._rows)]
         if bad:
             raise IndexError(f"{caller}: row indices {bad[:5]} are out of range for a cache of {len(self._rows)} rows")
-        allocator = self.pool.allocator
-        with allocator.lock:
-            new_rows = [self._rows[i].fork(allocator) for i in sources]
-            _free_rows(allocator, self._rows)
-            self._rows.extend(new_rows)
-        self._plan = None
+        new_rows = self.pool.fork_rows([self._rows[i] for i in sources])
+        self.pool.free_rows(self._rows)
+        self._rows.extend(new_rows)
+        self._batch = None
 
     def crop(self, max_length: int) -> None:
         """Remove the last `-max_length` positions (a negative number, as in transformers); blocks that become
@@ -666,24 +418,22 @@ class PagedCache(Cache, ForwardBoundCache):
             )
         if -max_length > self._seq_length:
             raise ValueError(f"crop({max_length}) would remove more than the {self._seq_length} cached positions")
-        bad = self._released_past(self._seq_length + max_length)
+        bad = self._rows_reading_skipped(self._seq_length + max_length)
         if bad:
             raise ValueError(
-                f"crop({max_length}): rows {bad[:5]} gave back blocks behind the sliding window "
-                f"({self.sliding_release_window}) that positions before {self._seq_length + max_length} would attend "
-                "to again; start from a new cache (or reset()) instead"
+                f"crop({max_length}): rows {bad[:5]} gave back blocks their sliding window ({self.skip_window}) "
+                f"skipped, which positions before {self._seq_length + max_length} would attend to again; start "
+                "from a new cache (or reset()) instead"
             )
-        with self.pool.allocator.lock:
-            self._cache_full_blocks()
-            self._truncate(self._seq_length + max_length)
+        self._index_full_blocks()
+        self._truncate(self._seq_length + max_length)
 
     def _truncate(self, new_length: int) -> None:
         """Keep the first `new_length` padded positions of every row."""
-        allocator = self.pool.allocator
-        for row in self._rows:
-            row.truncate(allocator, new_length)
+        self.pool.truncate_rows(self._rows, new_length)
         self._seq_length = new_length
-        self._plan = None
+        self._batch = None
+        self.planner.forget_previous()
 
     def activate_past_recording(self) -> None:
         """Nothing to do: every position stays in the pool until `crop` removes it."""
@@ -691,11 +441,10 @@ class PagedCache(Cache, ForwardBoundCache):
     def reset(self) -> None:
         """Return every block to the pool (full ones stay cached by content) and empty the cache for reuse."""
         self._settle()
-        with self.pool.allocator.lock:
-            self._cache_full_blocks()
-            _free_rows(self.pool.allocator, self._rows)
+        self._index_full_blocks()
+        self.pool.free_rows(self._rows)
         self._seq_length = 0
-        self._plan = None
+        self._batch = None
         self._pending = None
 
     def release(self) -> None:
@@ -709,11 +458,39 @@ class PagedCache(Cache, ForwardBoundCache):
         self._released = True
         self._finalizer.detach()
 
-    def _settle(self) -> None:
-        """Refuse a released cache, and drop what an interrupted forward left behind (every public entry point)."""
+    def forward_failed(self) -> None:
+        """The forward planned last raised: unless every layer that writes wrote, take its tokens back (and the rows
+        it created), so a failed call leaves the cache as it was."""
+        if not self._released:
+            self._settle(failed=True)
+
+    def _settle(self, failed: bool = False) -> None:
+        """Refuse a released cache, and drop what an interrupted forward left behind (every public entry point);
+        `failed`: the forward is known to have raised."""
         self._check_open()
-        with self.pool.allocator.lock:
-            self._forget_unfinished_forward()
+        batch = self._batch
+        if batch is None:
+            return
+        written = len(batch.layers_written)
+        expected = self._layers_per_forward or (len(self.layers) if failed else 0)
+        if written == 0 or written < expected:
+            if written:
+                logger.warning(
+                    "hf_paged: the last forward stopped after %d of %d layers; its tokens are dropped", written, expected
+                )
+            self._drop_batch()
+            return
+        self._layers_per_forward = max(self._layers_per_forward, written)
+
+    def _drop_batch(self) -> None:
+        """Take back the tokens of the current batch (its forward did not run through), and the rows it created."""
+        if self._batch_created_rows:
+            self.pool.free_rows(self._rows)
+            self._seq_length = 0
+            self._batch = None
+            self.planner.forget_previous()
+            return
+        self._truncate(self._seq_length - self._batch.num_new)
 
     def _check_open(self) -> None:
         if self._released:

@@ -13,8 +13,8 @@ from contextlib import contextmanager
 
 import torch
 
+from .batch import ForwardInputs
 from .config import ATTENTION_NAME, PagedCacheConfig
-from .plan import ForwardInputs
 
 logger = logging.getLogger(__name__)
 
@@ -29,17 +29,13 @@ _switched: dict[int, list] = {}  # id(model) -> [users, previous implementation]
 
 
 class ForwardBoundCache:
-    """A cache that is told about every forward of its model before it runs (`PagedCache`)."""
+    """A cache that is told about every forward of its model before it runs (`BatchCache`, `PagedCache`)."""
 
-    @property
-    def prefix_caching(self) -> bool:
+    def prepare_forward(self, model: torch.nn.Module, inputs: ForwardInputs) -> None:
         raise NotImplementedError
 
-    def bind_forward(self, model: torch.nn.Module, inputs: ForwardInputs) -> None:
-        raise NotImplementedError
-
-    def stop_prefix_caching(self) -> None:
-        raise NotImplementedError
+    def forward_failed(self) -> None:
+        """The forward prepared last raised (an `Exception`; the forward hook does not see other exits)."""
 
 
 # ---------------------------------------------------------------------- the cache bound to the running forward
@@ -49,21 +45,23 @@ def _bindings() -> list:
     return _bound.stack
 
 
-def bind_paged_cache(owner: torch.nn.Module, cache) -> None:
+def bind_paged_cache(owner: torch.nn.Module, cache, prepared: ForwardBoundCache | None = None) -> None:
     """Make `cache` (a `PagedCache`, or `None`) what `paged_attention_forward` reads in this thread until
     `unbind_paged_cache(owner)`: the forward hooks bind around every forward of a model that has met a paged
     cache, so its attention finds the cache even when the model does not pass keyword arguments down to its
     attention modules. Bindings nest; a stale one of `owner` (a forward interrupted by `KeyboardInterrupt`) is
-    dropped."""
+    dropped. `prepared` is the cache whose forward the hook prepared (told if the forward fails)."""
     stack = _bindings()
     stack[:] = [entry for entry in stack if entry[0] is not owner]
-    stack.append((owner, cache))
+    stack.append((owner, cache, prepared))
 
 
-def unbind_paged_cache(owner: torch.nn.Module) -> None:
+def unbind_paged_cache(owner: torch.nn.Module) -> ForwardBoundCache | None:
+    """End `owner`'s binding; returns the cache whose forward was prepared, if any."""
     stack = _bindings()
     if stack and stack[-1][0] is owner:
-        stack.pop()
+        return stack.pop()[2]
+    return None
 
 
 def bound_paged_cache():
@@ -102,21 +100,29 @@ def _before_forward(module: torch.nn.Module, args: tuple, kwargs: dict):
         bind_paged_cache(module, None)
         return None
     reads_tables = module.config._attn_implementation == ATTENTION_NAME
+    input_ids = kwargs.get("input_ids")
+    if input_ids is None and args and isinstance(args[0], torch.Tensor):
+        input_ids = args[0]
+    shaped = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+    shape = tuple(shaped.shape[:2]) if isinstance(shaped, torch.Tensor) and shaped.dim() >= 2 else None
     inputs = ForwardInputs(
         attention_mask=kwargs.get("attention_mask"),
-        input_ids=kwargs.get("input_ids"),
+        input_ids=input_ids,
         position_ids=kwargs.get("position_ids"),
+        shape=shape,
+        device=None if shape is None else shaped.device,
         reads_tables=reads_tables,
+        beyond_token_ids=bool(inputs_beyond_token_ids(kwargs, TOKEN_INPUTS_OF_FORWARD)),
     )
-    cache.bind_forward(module, inputs)
-    if cache.prefix_caching and inputs_beyond_token_ids(kwargs, TOKEN_INPUTS_OF_FORWARD):
-        cache.stop_prefix_caching()
-    bind_paged_cache(module, cache if reads_tables else None)
+    cache.prepare_forward(module, inputs)
+    bind_paged_cache(module, cache if reads_tables else None, cache)
     return None
 
 
 def _after_forward(module: torch.nn.Module, args: tuple, output) -> None:
-    unbind_paged_cache(module)
+    prepared = unbind_paged_cache(module)
+    if output is None and prepared is not None:  # torch calls an always-called hook with no output on an exception
+        prepared.forward_failed()
 
 
 # ---------------------------------------------------------------------- attention switch

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .allocator import AllocatorStats, BlockAllocator
+from .allocator import AllocatorStats, BlockAllocator, BlockTable
 from .config import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_FRACTION, DEFAULT_MAX_BLOCKS, PagedCacheConfig
 from .groups import KVLayout, layer_kv_shapes
+from .rows import Row
 from .storage import KVStorage
 
 logger = logging.getLogger(__name__)
@@ -115,8 +116,75 @@ class BlockPool:
     def lock(self) -> threading.RLock:
         return self.allocator.lock
 
+    @property
+    def num_free(self) -> int:
+        return self.allocator.num_free
+
     def stats(self) -> AllocatorStats:
         return self.allocator.stats()
+
+    # ------------------------------------------------------------------ verbs over rows (each one atomic)
+    def new_rows(self, count: int, num_groups: int, track_tokens: bool = True) -> list[Row]:
+        """`count` rows holding no token, one block table per layer group."""
+        with self.lock:
+            return [Row.empty(self.allocator, num_groups, track_tokens) for _ in range(count)]
+
+    def cached_prefix_row(
+        self, roots: list[bytes], windows: list[int | None], tokens: list[int], count_reuse: bool = True
+    ) -> Row:
+        """A new row holding the longest cached prefix of `tokens` (see `Row.from_prefix_cache`)."""
+        return Row.from_prefix_cache(self.allocator, roots, windows, tokens, count_reuse)
+
+    def take_blocks(self, appends: list[tuple[BlockTable, int]], what: str | None = None, keep_free: int = 0) -> int:
+        """Append `(table, num_new_tokens)` for every entry, all of them or (`PoolExhaustedError`) none, leaving at
+        least `keep_free` blocks free; the copy-on-write copies are carried out in the storage before it returns.
+        Returns the number of blocks copied."""
+        with self.lock:
+            copies = self.allocator.append_all(appends, what, keep_free)
+            self.storage.copy_blocks(copies)
+            return len(copies)
+
+    def blocks_needed(self, appends: list[tuple[BlockTable, int]]) -> int:
+        """Free blocks `take_blocks(appends)` would use now (copy-on-write included)."""
+        return self.allocator.num_blocks_needed_for(appends)
+
+    def count_prefix_reuse(self, num_tokens: int) -> None:
+        """Count one prefix lookup whose caller reused `num_tokens` cached tokens (`stats().prefix_tokens_reused`)."""
+        self.allocator.record_prefix_reuse(num_tokens)
+
+    def fork_rows(self, rows: list[Row]) -> list[Row]:
+        """New rows sharing every block of `rows` (refcounts + 1; nothing is copied)."""
+        with self.lock:
+            return [row.fork(self.allocator) for row in rows]
+
+    def free_rows(self, rows: list[Row]) -> None:
+        """Return every block of `rows` and empty the list (also the finalizer of a dropped cache)."""
+        with self.lock:
+            for row in rows:
+                row.free(self.allocator)
+            rows.clear()
+
+    def free_skipped(self, rows: list[Row], windows: list[int | None]) -> int:
+        """Give back every row's blocks its sliding groups' windows skipped; returns how many were given back."""
+        if all(window is None for window in windows):
+            return 0
+        with self.lock:
+            return sum(row.free_skipped(self.allocator, windows) for row in rows)
+
+    def index_full_blocks(self, rows: list[Row], roots: list[bytes], share: bool = True) -> bool:
+        """Put the rows' full blocks into the prefix index (see `Row.cache_full_blocks`); returns whether a table
+        changed."""
+        with self.lock:
+            changed = False
+            for row in rows:
+                changed |= row.cache_full_blocks(self.allocator, roots, share)
+            return changed
+
+    def truncate_rows(self, rows: list[Row], length: int) -> None:
+        """Keep the first `length` padded positions of every row."""
+        with self.lock:
+            for row in rows:
+                row.truncate(self.allocator, length)
 
     def check_invariants(self) -> None:
         self.allocator.check_invariants()

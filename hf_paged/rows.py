@@ -5,15 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .allocator import BlockAllocator, BlockTable
+from .groups import skipped_tokens
 from .prefix import block_hash, chain
-
-
-def dead_tokens(num_tokens: int, window: int | None) -> int:
-    """Leading tokens of a row of `num_tokens` that a sliding window of `window` never reads again: the next token
-    attends to the last `window - 1` (the last token's block always stays). 0 for full attention."""
-    if window is None:
-        return 0
-    return max(0, min(num_tokens - window + 1, num_tokens - 1))
 
 
 @dataclass(eq=False)
@@ -39,7 +32,7 @@ class Row:
     >>> _ = allocator.append_all(row.appends(6))
     >>> [table.block_ids for table in row.tables], row.num_tokens
     ([[0, 1], [2, 3]], 6)
-    >>> row.release_behind(allocator, [None, 2]), [table.block_ids for table in row.tables]
+    >>> row.free_skipped(allocator, [None, 2]), [table.block_ids for table in row.tables]
     (1, [[0, 1], [None, 3]])
     >>> row.free(allocator)
 
@@ -62,12 +55,18 @@ class Row:
 
     @classmethod
     def from_prefix_cache(
-        cls, allocator: BlockAllocator, roots: list[bytes], windows: list[int | None], tokens: list[int]
+        cls,
+        allocator: BlockAllocator,
+        roots: list[bytes],
+        windows: list[int | None],
+        tokens: list[int],
+        count_reuse: bool = True,
     ) -> Row:
         """A new row holding the longest cached, block-aligned prefix of `tokens` that leaves at least one token to
         compute (possibly none of it). `roots` and `windows` give every layer group's chain root and sliding window:
-        a full-attention group needs every block of the prefix, a sliding group only the blocks its window still
-        reads (it starts without the others)."""
+        a full-attention group needs every block of the prefix, a sliding group only the blocks its window does not
+        skip (it starts without the others). The lookup counts as one query reusing the row's tokens in the
+        allocator's stats, unless `count_reuse=False` (the caller counts what it keeps)."""
         size = allocator.block_size
         usable = (len(tokens) - 1) // size * size
         links = [chain(root, tokens[:usable], size) for root in roots]
@@ -78,16 +77,17 @@ class Row:
                 if window is None:
                     num_blocks = min(num_blocks, (group_found + [None]).index(None))
             while num_blocks and any(
-                None in group_found[dead_tokens(num_blocks * size, window) // size : num_blocks]
+                None in group_found[skipped_tokens(num_blocks * size, window) // size : num_blocks]
                 for group_found, window in zip(found, windows)
                 if window is not None
             ):
                 num_blocks -= 1
-            allocator.record_prefix_query(num_blocks * size)
+            if count_reuse:
+                allocator.record_prefix_reuse(num_blocks * size)
             row = cls.empty(allocator, len(roots))
             row.tokens = list(tokens[: num_blocks * size])
             for index, (table, group_found, window) in enumerate(zip(row.tables, found, windows)):
-                skipped = dead_tokens(num_blocks * size, window) // size
+                skipped = skipped_tokens(num_blocks * size, window) // size
                 allocator.share_cached(table, [None] * skipped + group_found[skipped:num_blocks])
                 row.hashes[index] = [h for h, _ in links[index][:num_blocks]]
             return row
@@ -141,31 +141,22 @@ class Row:
         if self.tokens is not None:
             del self.tokens[kept:]
 
-    def blocks_behind(self, windows: list[int | None], block_size: int) -> list[int]:
-        """The blocks `release_behind` would give back now."""
-        return [
-            block_id
-            for table, window in zip(self.tables, windows)
-            if window is not None
-            for block_id in table.block_ids[table.num_released : dead_tokens(table.num_tokens, window) // block_size]
-        ]
-
-    def release_behind(self, allocator: BlockAllocator, windows: list[int | None]) -> int:
-        """Give back, in every sliding group, the leading blocks its window (`windows[group]`) no longer reads
-        before the next token; returns how many blocks were released."""
-        released = 0
+    def free_skipped(self, allocator: BlockAllocator, windows: list[int | None]) -> int:
+        """Give back, in every sliding group, the leading blocks its window (`windows[group]`) skips from the row's
+        next token on; returns how many blocks were given back."""
+        freed = 0
         for table, window in zip(self.tables, windows):
             if window is not None:
-                released += allocator.release_leading(table, dead_tokens(table.num_tokens, window))
-        return released
+                freed += allocator.free_skipped(table, skipped_tokens(table.num_tokens, window))
+        return freed
 
-    def reads_released(self, num_tokens: int, windows: list[int | None], block_size: int) -> bool:
+    def reads_skipped(self, num_tokens: int, windows: list[int | None], block_size: int) -> bool:
         """Whether keeping only the first `num_tokens` tokens would leave a group whose window reaches back into
-        blocks it released."""
+        blocks it skipped and gave back."""
         if not num_tokens:
             return False
         return any(
-            table.num_released * block_size > max(num_tokens - (window or 0) + 1, 0)
+            table.num_skipped * block_size > skipped_tokens(num_tokens, window)
             for table, window in zip(self.tables, windows)
         )
 
@@ -184,7 +175,7 @@ class Row:
                 tokens = tuple(self.tokens[index * size : (index + 1) * size])
                 parent = block_hash(parent, tokens)
                 own = table.block_ids[index]
-                if own is None:  # released before it was indexed: its hash still links the chain
+                if own is None:  # skipped before it was indexed: its hash still links the chain
                     hashes.append(parent)
                     continue
                 holder = allocator.cache_block(own, parent, tokens)

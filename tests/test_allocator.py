@@ -19,8 +19,8 @@ from hypothesis.stateful import (
 from hf_paged import BlockAllocator, InvariantError, PoolExhaustedError
 from hf_paged.accounting import naive_footprint, paged_footprint
 from hf_paged.allocator import BlockCopy
+from hf_paged.groups import skipped_tokens
 from hf_paged.prefix import chain, root_hash
-from hf_paged.rows import dead_tokens
 
 from .conftest import LONG_TESTS
 
@@ -312,9 +312,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         return allocator.free_block_ids, allocator.evictable_block_ids, refs, tables, index
 
     def _read(self, table):
-        """The tokens `table` reads through its block table (from its first block not released)."""
+        """The tokens `table` reads through its block table (from its first block not skipped)."""
         size = self.size
-        first = table.num_released * size
+        first = table.num_skipped * size
         return [self.slots[table.block_ids[p // size] * size + p % size] for p in range(first, table.num_tokens)]
 
     def _append(self, requests, insert=False):
@@ -410,12 +410,12 @@ class AllocatorMachine(RuleBasedStateMachine):
         self._count()
         table = self._table(index)
         keep = min(keep, table.num_tokens)
-        if keep and table.block_ids[(keep - 1) // self.size] is None:  # would end inside a released block
+        if keep and table.block_ids[(keep - 1) // self.size] is None:  # would end inside a skipped block
             state = self._state()
-            with pytest.raises(ValueError, match="released"):
+            with pytest.raises(ValueError, match="skipped"):
                 self.allocator.truncate(table, keep)
             assert self._state() == state
-            self.seen["truncate into released blocks refused"] += 1
+            self.seen["truncate into skipped blocks refused"] += 1
             return
         self.allocator.truncate(table, keep)
         del self.tokens[table.table_id][keep:]
@@ -438,23 +438,24 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert allocator.free_block_ids == plain + [b for b in gone if b not in cached] + evictable + cached
 
     @precondition(lambda self: self.tables)
-    @rule(index=st.integers(0, 1000), dead=st.integers(0, 30))
-    def release_leading(self, index, dead):
-        """A sliding window passed the first `dead` tokens: their whole blocks are given back, in logical order
+    @rule(index=st.integers(0, 1000), skipped=st.integers(0, 30))
+    def free_skipped(self, index, skipped):
+        """A sliding window skipped the first `skipped` tokens: their whole blocks are given back, in logical order
         (plain ones to the back of the free queue, cached ones to the evictable list); the rest reads unchanged."""
         self._count()
         allocator = self.allocator
         table = self._table(index)
-        dead = min(dead, table.num_tokens)
+        skipped = min(skipped, table.num_tokens)
         evictable = allocator.evictable_block_ids
         plain = allocator.free_block_ids[: allocator.num_free - len(evictable)]
         before = list(table.block_ids)
-        count = allocator.release_leading(table, dead)
-        released = [b for b in before[: dead // self.size] if b is not None]
-        assert count == len(released) and table.block_ids[: dead // self.size] == [None] * (dead // self.size)
-        assert table.block_ids[dead // self.size :] == before[dead // self.size :]
-        self.seen["released block"] += count
-        gone = [b for b in released if allocator.ref_count(b) == 0]
+        count = allocator.free_skipped(table, skipped)
+        given_back = [b for b in before[: skipped // self.size] if b is not None]
+        head = skipped // self.size
+        assert count == len(given_back) and table.block_ids[:head] == [None] * head
+        assert table.block_ids[head:] == before[head:]
+        self.seen["skipped block given back"] += count
+        gone = [b for b in given_back if allocator.ref_count(b) == 0]
         cached = [b for b in reversed(gone) if allocator.block_hash(b) is not None]
         assert allocator.evictable_block_ids == evictable + cached
         assert allocator.free_block_ids == plain + [b for b in gone if b not in cached] + evictable + cached
@@ -469,13 +470,13 @@ class AllocatorMachine(RuleBasedStateMachine):
     def _insert_prefix(self, table):
         full_blocks = chain(ROOT, self.tokens[table.table_id], self.size)
         for position, (block_hash, block_tokens) in enumerate(full_blocks):
-            if table.block_ids[position] is None:  # released: not indexed again
+            if table.block_ids[position] is None:  # skipped: not indexed again
                 continue
             holder = self.allocator.cache_block(table.block_ids[position], block_hash, block_tokens)
             if holder != table.block_ids[position]:
                 self.seen["deduplicated block"] += 1
                 self.allocator.replace_block(table, position, holder)
-        if not table.num_released:
+        if not table.num_skipped:
             assert self.allocator.lookup_prefix(full_blocks) == table.block_ids[: len(full_blocks)]
 
     def _prompt(self, source, keep, suffix):
@@ -516,9 +517,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         links = chain(ROOT, prompt, self.size)
         found = allocator.lookup_blocks(links)
         count = len(links)
-        while count and None in found[dead_tokens(count * self.size, window) // self.size : count]:
+        while count and None in found[skipped_tokens(count * self.size, window) // self.size : count]:
             count -= 1
-        skipped = dead_tokens(count * self.size, window) // self.size
+        skipped = skipped_tokens(count * self.size, window) // self.size
         refs = [allocator.ref_count(b) for b in found[skipped:count]]
         table = allocator.new_table()
         allocator.share_cached(table, [None] * skipped + found[skipped:count])
@@ -577,7 +578,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         allocator = self.allocator
         allocator.check_invariants()
         for table in self.tables:  # every table reads exactly its reference tokens through its block table
-            assert self._read(table) == self.tokens[table.table_id][table.num_released * self.size :], table
+            assert self._read(table) == self.tokens[table.table_id][table.num_skipped * self.size :], table
         for block_id in range(allocator.num_blocks):  # a cached block holds the tokens it is indexed under
             cached = allocator._block_tokens.get(block_id)
             assert cached is None or tuple(self._read_block(block_id)) == cached, block_id
@@ -624,8 +625,8 @@ def test_allocator_state_machine_runs_the_target_number_of_steps():
             "prefix hit",
             "window hit",
             "eviction",
-            "released block",
-            "truncate into released blocks refused",
+            "skipped block given back",
+            "truncate into skipped blocks refused",
         )
     )
     assert AllocatorMachine.steps >= (10 * MACHINE_STEPS_TARGET if LONG_TESTS else MACHINE_STEPS_TARGET)

@@ -106,8 +106,8 @@ def test_chunks_of_a_long_prompt_alternate_with_decode_steps(model):
 class UnmaskedEngine(Engine):
     """Negative control: lets every row attend to its left pads."""
 
-    def _forward_inputs(self, step, pads, width, past_length):
-        inputs = super()._forward_inputs(step, pads, width, past_length)
+    def _forward_inputs(self, step):
+        inputs = super()._forward_inputs(step)
         inputs["attention_mask"] = torch.ones_like(inputs["attention_mask"])
         return inputs
 

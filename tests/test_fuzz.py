@@ -127,7 +127,7 @@ class Fuzzer:
         getattr(self, f"run_{case.kind}")(case)
         stats = self.pool.stats()
         self.seen[case.kind] += 1
-        self.seen["prefix hits (tokens)"] += stats.prefix_hits - stats_before.prefix_hits
+        self.seen["prefix hits (tokens)"] += stats.prefix_tokens_reused - stats_before.prefix_tokens_reused
         self.seen["evictions"] += stats.evictions - stats_before.evictions
         self.seen["copy-on-write copies"] += stats.cow_copies - stats_before.cow_copies
         self.seen[f"block size {self.block_size}"] += 1

@@ -58,7 +58,7 @@ def test_layout_of_a_gemma3_1b_pattern_pads_only_the_last_sliding_group():
         assert sorted(layout.lane_of[layer] for layer in group.layers) == list(range(len(group.layers)))
 
 
-def test_layout_without_split_keeps_one_group_that_never_releases():
+def test_layout_without_split_keeps_one_group_that_never_skips():
     layout = KVLayout.for_windows([WINDOW, None], split=False)
     assert layout.groups == (LayerGroup((0, 1), None),) and layout.windows == [None]
 

@@ -54,7 +54,7 @@ def test_freed_cached_blocks_stay_cached_and_are_found_again():
     assert again.num_tokens == 4 and [allocator.ref_count(b) for b in (0, 1)] == [1, 1]
     assert allocator.evictable_block_ids == []
     stats = allocator.stats()
-    assert (stats.prefix_queries, stats.prefix_hits, stats.num_cached, stats.num_evictable) == (1, 4, 2, 0)
+    assert (stats.prefix_queries, stats.prefix_tokens_reused, stats.num_cached, stats.num_evictable) == (1, 4, 2, 0)
     allocator.check_invariants()
 
 
@@ -68,8 +68,8 @@ def test_lookup_blocks_finds_each_link_on_its_own_without_counting_a_query():
     assert allocator.lookup_blocks(links) == [0, 1, None]
     assert allocator.lookup_blocks([links[1], (links[0][0], (5, 0))]) == [1, None]  # verified token by token
     assert allocator.stats().prefix_queries == 0
-    allocator.record_prefix_query(4)
-    assert (allocator.stats().prefix_queries, allocator.stats().prefix_hits) == (1, 4)
+    allocator.record_prefix_reuse(4)
+    assert (allocator.stats().prefix_queries, allocator.stats().prefix_tokens_reused) == (1, 4)
     allocator.free(hog)
     allocator.check_invariants()
 
@@ -79,7 +79,7 @@ def test_share_cached_may_start_a_table_without_its_leading_blocks():
     allocator.free(cached_table(allocator, [5, 6, 7, 8, 9, 10]))
     table = allocator.new_table()
     allocator.share_cached(table, [None, None, 2])  # a sliding window that reads only tokens 4-5
-    assert table.block_ids == [None, None, 2] and table.num_tokens == 6 and table.num_released == 2
+    assert table.block_ids == [None, None, 2] and table.num_tokens == 6 and table.num_skipped == 2
     assert [allocator.ref_count(b) for b in range(3)] == [0, 0, 1] and allocator.evictable_block_ids == [1, 0]
     allocator.check_invariants()
     with pytest.raises(ValueError, match="leading run"):
@@ -115,7 +115,7 @@ def test_a_row_of_a_sliding_group_takes_only_the_window_of_a_cached_prefix():
     row = hf_paged.rows.Row.from_prefix_cache(allocator, roots, [None, 3], tokens)
     assert [t.block_ids for t in row.tables] == [[0, 1, 2, 3], [None, None, None, 7]]
     assert row.num_tokens == 8 and row.tokens == tokens[:8] and [len(h) for h in row.hashes] == [4, 4]
-    assert (allocator.stats().prefix_queries, allocator.stats().prefix_hits) == (1, 8)
+    assert (allocator.stats().prefix_queries, allocator.stats().prefix_tokens_reused) == (1, 8)
     row.free(allocator)
     allocator.check_invariants()
 
@@ -130,7 +130,7 @@ def test_a_sliding_group_missing_its_last_cached_block_shortens_the_hit():
     # 8 tokens would need group 1's block 3 (gone); 6 tokens need only its block 2 (positions 4-5)
     row = hf_paged.rows.Row.from_prefix_cache(allocator, roots, [None, 3], tokens)
     assert [t.block_ids for t in row.tables] == [[0, 1, 2], [None, None, 6]] and row.num_tokens == 6
-    assert allocator.stats().prefix_hits == 6
+    assert allocator.stats().prefix_tokens_reused == 6
     row.free(allocator)
     # were group 1 full attention, it would need every block from its head: blocks 4-6 are there, 6 tokens again
     row = hf_paged.rows.Row.from_prefix_cache(allocator, roots, [None, None], tokens)
@@ -237,7 +237,7 @@ def test_second_call_with_a_cached_prompt_prefix_computes_only_the_rest(model):
     assert torch.equal(reference, paged)
     assert counter.calls[0] == 43 - 32  # 4 full blocks of the 37-token system prompt came from the cache
     assert get_pool(model).last_cache_stats.prefix_tokens_reused == 32
-    assert get_pool(model).stats().num_used == 0 and get_pool(model).stats().prefix_hits >= 32
+    assert get_pool(model).stats().num_used == 0 and get_pool(model).stats().prefix_tokens_reused >= 32
 
 
 def test_whole_prompt_cached_still_computes_its_last_token(model):

@@ -1,15 +1,24 @@
-"""Scheduler: exact admission, decode and preemption decisions over a real allocator (no model; a forward is
-simulated by appending the scheduled tokens to each row and choosing token 7)."""
+"""Scheduler: exact admission, decode and preemption decisions over a real pool (no model). Every decision takes
+its blocks through the planner's real allocation call as it is made; a forward is simulated by choosing token 7."""
 
 from __future__ import annotations
 
-from hf_paged import BlockAllocator
 from hf_paged.engine.params import SamplingParams
 from hf_paged.engine.request import Request, RequestStatus
 from hf_paged.engine.scheduler import Scheduler
+from hf_paged.groups import KVLayout
+from hf_paged.planner import ForwardPlanner
+from hf_paged.pool import BlockPool
 from hf_paged.prefix import root_hash
 
 ROOT = root_hash(b"test")
+
+
+def scheduler_over(num_blocks: int, block_size: int, root: bytes | None = None, **options):
+    """`(scheduler, allocator)` over a fresh pool of one full-attention layer group."""
+    pool = BlockPool(num_blocks, block_size)
+    planner = ForwardPlanner(pool, KVLayout.for_windows([None]), root)
+    return Scheduler(planner, **options), pool.allocator
 
 
 def request(name: str, prompt_length: int, max_new_tokens: int = 100) -> Request:
@@ -17,18 +26,15 @@ def request(name: str, prompt_length: int, max_new_tokens: int = 100) -> Request
 
 
 def run(scheduler: Scheduler, step) -> None:
-    """What the engine does with a step: store the tokens, generate one more when they reach the end of the
-    request's tokens (not after a prompt chunk short of it)."""
-    for req, count in zip(step.requests, step.new_tokens):
-        start = req.row.num_tokens
-        scheduler.allocator.append_all(req.row.appends(count))
-        if req.row.tokens is not None:
-            req.row.record(req.token_ids[start : start + count])
+    """What the engine does with a step, whose blocks the scheduler took: generate one more token when the rows
+    reach the end of the request's tokens (not after a prompt chunk short of it), and index the full blocks."""
+    for req in step.requests:
+        assert req.row.num_tokens <= len(req.token_ids)
         if req.row.num_tokens == len(req.token_ids):
             req.append_token(7)
-    if scheduler.root is not None:
-        for req in step.requests:
-            req.row.cache_full_blocks(scheduler.allocator, [scheduler.root])
+    planner = scheduler.planner
+    if planner.prefix_caching:
+        scheduler.pool.index_full_blocks([req.row for req in step.requests], planner.roots)
 
 
 def names(requests) -> list[str]:
@@ -36,8 +42,7 @@ def names(requests) -> list[str]:
 
 
 def test_admission_is_first_come_first_served_within_the_free_blocks():
-    allocator = BlockAllocator(num_blocks=8, block_size=4)
-    scheduler = Scheduler(allocator, root=None)
+    scheduler, allocator = scheduler_over(8, 4, None)
     for name, length in (("a", 9), ("b", 8), ("c", 13), ("d", 1)):
         scheduler.add(request(name, length))
     step, failed = scheduler.schedule()
@@ -52,8 +57,7 @@ def test_admission_is_first_come_first_served_within_the_free_blocks():
 
 
 def test_the_most_recently_admitted_request_is_preempted_and_recomputed_first():
-    allocator = BlockAllocator(num_blocks=6, block_size=2)
-    scheduler = Scheduler(allocator, root=None)
+    scheduler, allocator = scheduler_over(6, 2, None)
     a, b = request("a", 3), request("b", 3)
     scheduler.add(a)
     run(scheduler, scheduler.schedule()[0])  # a: blocks [0, 1]
@@ -67,7 +71,9 @@ def test_the_most_recently_admitted_request_is_preempted_and_recomputed_first():
     step, failed = scheduler.schedule()  # both need a 4th block, none is free: b goes
     assert (names(step.requests), failed, scheduler.num_preemptions) == (["a"], [], 1)
     assert b.row is None and b.status is RequestStatus.WAITING and b.num_preemptions == 1
-    assert names(scheduler.waiting) == ["b"] and sorted(allocator.free_block_ids) == [2, 3, 5]
+    # b's blocks [2, 3, 5] went back; the decode step took the first of them for a's next token as it was decided
+    assert names(scheduler.waiting) == ["b"] and sorted(allocator.free_block_ids) == [3, 5]
+    assert a.row.table.block_ids == [0, 1, 4, 2]
     run(scheduler, step)
     scheduler.finish(a, "length")
     assert allocator.num_free == 6
@@ -77,8 +83,7 @@ def test_the_most_recently_admitted_request_is_preempted_and_recomputed_first():
 
 
 def test_a_request_that_can_never_fit_fails_alone():
-    allocator = BlockAllocator(num_blocks=4, block_size=4)
-    scheduler = Scheduler(allocator, root=None)
+    scheduler, allocator = scheduler_over(4, 4, None)
     big, small = request("big", 16), request("small", 3)
     scheduler.add(big)
     scheduler.add(small)
@@ -91,8 +96,7 @@ def test_a_request_that_can_never_fit_fails_alone():
 
 
 def test_a_lone_request_outgrowing_the_pool_ends_with_its_blocks_returned():
-    allocator = BlockAllocator(num_blocks=2, block_size=2)
-    scheduler = Scheduler(allocator, root=None)
+    scheduler, allocator = scheduler_over(2, 2, None)
     scheduler.add(request("a", 3))
     run(scheduler, scheduler.schedule()[0])
     run(scheduler, scheduler.schedule()[0])  # 4 tokens: both blocks full
@@ -103,8 +107,7 @@ def test_a_lone_request_outgrowing_the_pool_ends_with_its_blocks_returned():
 
 
 def test_batch_size_and_prefill_budget_limit_admission():
-    allocator = BlockAllocator(num_blocks=64, block_size=4)
-    scheduler = Scheduler(allocator, root=None, max_batch_size=3, max_prefill_tokens=20)
+    scheduler, allocator = scheduler_over(64, 4, None, max_batch_size=3, max_prefill_tokens=20)
     for name, length in (("a", 25), ("b", 2), ("c", 2), ("d", 2), ("e", 2)):
         scheduler.add(request(name, length))
     step, _ = scheduler.schedule()
@@ -127,8 +130,7 @@ def a_done(scheduler: Scheduler) -> bool:
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps():
-    allocator = BlockAllocator(num_blocks=16, block_size=4)
-    scheduler = Scheduler(allocator, root=None, max_prefill_tokens=4)
+    scheduler, allocator = scheduler_over(16, 4, None, max_prefill_tokens=4)
     short, long = request("short", 3), request("long", 10)
     scheduler.add(short)
     run(scheduler, scheduler.schedule()[0])
@@ -151,8 +153,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps():
 
 
 def test_a_chunk_that_does_not_fit_preempts_its_request_until_it_does():
-    allocator = BlockAllocator(num_blocks=6, block_size=4)
-    scheduler = Scheduler(allocator, root=None, max_prefill_tokens=4)
+    scheduler, allocator = scheduler_over(6, 4, None, max_prefill_tokens=4)
     short, long = request("short", 4, max_new_tokens=6), request("long", 12)
     scheduler.add(short)
     run(scheduler, scheduler.schedule()[0])  # short: 1 block
@@ -173,8 +174,7 @@ def test_a_chunk_that_does_not_fit_preempts_its_request_until_it_does():
 
 
 def test_admission_reuses_cached_prefix_blocks():
-    allocator = BlockAllocator(num_blocks=16, block_size=4)
-    scheduler = Scheduler(allocator, root=ROOT)
+    scheduler, allocator = scheduler_over(16, 4, ROOT)
     first = request("first", 10)
     scheduler.add(first)
     run(scheduler, scheduler.schedule()[0])
@@ -184,5 +184,6 @@ def test_admission_reuses_cached_prefix_blocks():
     second = request("second", 9)  # same first 8 tokens
     scheduler.add(second)
     step, _ = scheduler.schedule()
-    assert step.new_tokens == [1] and second.row.table.block_ids == cached and second.prefix_tokens_reused == 8
+    assert step.new_tokens == [1] and second.row.table.block_ids[:2] == cached and second.prefix_tokens_reused == 8
+    assert len(second.row.table.block_ids) == 3  # the block of its 9th token, taken as it was admitted
     assert [allocator.ref_count(b) for b in cached] == [1, 1]

@@ -1,6 +1,6 @@
-"""Sliding-window block release. A model whose every layer slides over the last W positions (Mistral-style) gives a
-row's blocks behind the window back to the pool during generation, so a long generation holds about
-ceil(W / block_size) + 1 blocks per row; a hybrid model (Gemma2/3: full and sliding layers) does the same in the
+"""Sliding windows give back the blocks they skip. A model whose every layer slides over the last W positions
+(Mistral-style) gives a row's blocks its window skipped back to the pool during generation, so a long generation holds
+about ceil(W / block_size) + 1 blocks per row; a hybrid model (Gemma2/3: full and sliding layers) does the same in the
 block tables of its sliding layer groups while the full groups keep every block. Either way it generates exactly what
 `DynamicCache` generates."""
 
@@ -55,10 +55,11 @@ class BlockMeter:
 
     def _record(self, module, args, output):
         per_group = [max(len(t.live_block_ids) for t in tables) for tables in self.cache.group_tables]
-        sliding = [count for count, group in zip(per_group, self.cache.layout.groups) if group.window is not None]
+        layout = self.cache.layout
+        sliding = [count for count, group in zip(per_group, layout.groups) if layout.layer_windows[group.layers[-1]]]
         self.per_group.append(per_group)
         self.per_row.append(max(sliding))
-        self.distinct.append(self.cache.stats().num_blocks)
+        self.distinct.append(len({b for tables in self.cache.group_tables for t in tables for b in t.live_block_ids}))
 
     def most(self, group: int) -> int:
         return max(sample[group] for sample in self.per_group)
@@ -72,7 +73,7 @@ class BlockMeter:
 
 def run_both(model, input_ids, attention_mask=None, num_blocks=512, window=None, **options):
     """`(DynamicCache output, paged output, meter)` of the same `generate` call (logits kept); `window` overrides
-    the release window."""
+    the skip window."""
     options = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "pad_token_id": 0, **options}
     options.update(return_dict_in_generate=True, output_logits=True)
     if options.get("do_sample"):
@@ -80,7 +81,7 @@ def run_both(model, input_ids, attention_mask=None, num_blocks=512, window=None,
     reference = model.generate(input_ids, attention_mask=attention_mask, **options)
     cache = PagedCache(model, block_size=BLOCK_SIZE, num_blocks=num_blocks)
     if window is not None:
-        cache.sliding_release_window = window
+        cache.skip_window = window
     if options.get("do_sample"):
         torch.manual_seed(7)
     with BlockMeter(model, cache) as meter:
@@ -105,18 +106,18 @@ def full_blocks(num_tokens: int) -> int:
     return -(-num_tokens // BLOCK_SIZE)
 
 
-def test_release_windows_follow_the_layer_groups(mistral):
+def test_skip_windows_follow_the_layer_groups(mistral):
     cache = PagedCache(mistral, block_size=BLOCK_SIZE, num_blocks=16)
-    assert cache.sliding_release_window == WINDOW and cache.release_windows == [WINDOW]
-    assert PagedCache(tiny_model("mistral"), num_blocks=16).sliding_release_window is None  # no window
+    assert cache.skip_window == WINDOW and cache.layout.windows == [WINDOW]
+    assert PagedCache(tiny_model("mistral"), num_blocks=16).skip_window is None  # no window
     hybrid = PagedCache(tiny_model("gemma2"), num_blocks=16)  # full + sliding layers: one group of each
-    assert hybrid.release_windows == [None, 6] and hybrid.sliding_release_window == 6
-    hybrid.sliding_release_window = None
-    assert hybrid.release_windows == [None, None]
+    assert hybrid.layout.windows == [None, 6] and hybrid.skip_window == 6
+    hybrid.skip_window = None
+    assert hybrid.layout.windows == [None, None]
 
 
 def test_greedy_400_tokens_match_dynamic_cache_in_a_pool_too_small_to_keep_every_block(mistral):
-    # 20 + 400 tokens need 53 blocks without release; the pool has 8
+    # 20 + 400 tokens need 53 blocks without skipping; the pool has 8
     reference, paged, meter = run_both(mistral, prompt(20), num_blocks=8)
     assert torch.equal(reference.sequences, paged.sequences)
     assert logits_gap(reference, paged) <= TOLERANCE
@@ -124,15 +125,15 @@ def test_greedy_400_tokens_match_dynamic_cache_in_a_pool_too_small_to_keep_every
     assert max(meter.per_row[WINDOW:]) == BOUND  # the bound is reached
 
 
-def test_without_release_the_row_keeps_every_block(mistral):
+def test_without_skipping_the_row_keeps_every_block(mistral):
     cache = PagedCache(mistral, block_size=BLOCK_SIZE, num_blocks=64)
-    cache.sliding_release_window = None
+    cache.skip_window = None
     with BlockMeter(mistral, cache) as meter:
         mistral.generate(prompt(20), past_key_values=cache, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
     assert max(meter.per_row) == -(-(20 + NEW_TOKENS - 1) // BLOCK_SIZE) == 53
     cache.release()
     small = PagedCache(mistral, block_size=BLOCK_SIZE, num_blocks=8)
-    small.sliding_release_window = None
+    small.skip_window = None
     with pytest.raises(PoolExhaustedError):
         mistral.generate(prompt(20), past_key_values=small, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
     small.release()
@@ -160,7 +161,7 @@ def test_beam_search_matches_dynamic_cache(mistral):
     assert max(meter.per_row) <= BOUND and max(meter.distinct) <= 4 * BOUND
 
 
-def test_negative_control_releasing_one_token_too_many_changes_the_output(mistral):
+def test_negative_control_skipping_one_token_too_many_changes_the_output(mistral):
     reference, paged, _ = run_both(
         mistral, prompt(20), num_blocks=16, window=WINDOW - 1, max_new_tokens=120, min_new_tokens=120
     )
@@ -174,7 +175,7 @@ def test_engine_matches_generate_alone_and_holds_the_window(mistral):
         for p in prompts
     ]
     engine = Engine(mistral, block_size=BLOCK_SIZE, num_blocks=4 * BOUND + 4)
-    assert engine.cache.sliding_release_window == WINDOW
+    assert engine.skip_window == WINDOW
     with BlockMeter(mistral, engine.cache) as meter:
         outputs = engine.generate(prompts, max_new_tokens=150, min_new_tokens=150, do_sample=False)
     assert [o.token_ids for o in outputs] == [a.tolist() for a in alone]
@@ -199,14 +200,14 @@ def test_chunked_prefill_runs_a_prompt_far_larger_than_the_pool(mistral, gemma3)
     request = prompt(400, seed=31)[0].tolist()
     alone = mistral.generate(torch.tensor([request]), max_new_tokens=40, min_new_tokens=40, do_sample=False)
     engine = Engine(mistral, block_size=BLOCK_SIZE, num_blocks=8, max_prefill_tokens=16)
-    assert engine.scheduler.blocks_to_run(400) == 7
+    assert engine.planner.blocks_to_run(400, chunk=16) == 7
     with BlockMeter(mistral, engine.cache) as meter:
         (output,) = engine.generate([request], max_new_tokens=40, min_new_tokens=40, do_sample=False)
     assert output.token_ids == alone[0, 400:].tolist() and max(meter.per_row) <= 7
     assert engine.stats().prefill_steps == 25 and engine.pool.stats().num_used == 0
     # a hybrid's full layers keep every block: 51 blocks for them, 7 for each sliding group
     hybrid_engine = Engine(gemma3, block_size=BLOCK_SIZE, num_blocks=64, max_prefill_tokens=16)
-    assert hybrid_engine.scheduler.blocks_to_run(400) == 51 + 2 * 7
+    assert hybrid_engine.planner.blocks_to_run(400, chunk=16) == 51 + 2 * 7
     assert "needs 65 blocks of 8 tokens over its 3 layer groups" in hybrid_engine.scheduler.never_fits(400)
     hybrid_engine = Engine(gemma3, block_size=BLOCK_SIZE, num_blocks=72, max_prefill_tokens=16)
     (output,) = hybrid_engine.generate([request], max_new_tokens=20, min_new_tokens=20, do_sample=False)
@@ -214,14 +215,14 @@ def test_chunked_prefill_runs_a_prompt_far_larger_than_the_pool(mistral, gemma3)
     assert output.token_ids == alone[0, 400:].tolist() and hybrid_engine.pool.stats().num_used == 0
 
 
-def test_crop_before_released_blocks_is_refused_and_a_new_prompt_recomputes(mistral):
+def test_crop_before_skipped_blocks_is_refused_and_a_new_prompt_recomputes(mistral):
     cache = PagedCache(mistral, block_size=BLOCK_SIZE, num_blocks=16)
     first = mistral.generate(prompt(20), past_key_values=cache, max_new_tokens=60, do_sample=False)
-    assert cache.row_tables[0].num_released > 0
+    assert cache.row_tables[0].num_skipped > 0
     with pytest.raises(ValueError, match="sliding window"):
         cache.crop(-40)
     cache.crop(-1)  # still inside the window: allowed
-    # a prompt diverging early: the cache recomputes it rather than reading released blocks
+    # a prompt diverging early: the cache recomputes it rather than reading skipped blocks
     other = torch.cat([first[:, :10], prompt(15, seed=5)], dim=1)
     again = mistral.generate(other, past_key_values=cache, max_new_tokens=60, do_sample=False)
     assert torch.equal(again, mistral.generate(other, max_new_tokens=60, do_sample=False))
@@ -243,13 +244,13 @@ def test_greedy_400_tokens_match_dynamic_cache_and_sliding_groups_hold_the_windo
             assert meter.most(group) == BOUND
 
 
-def test_hybrid_fits_a_pool_that_only_release_makes_big_enough(gemma2):
-    # the full group needs 53 blocks, the sliding group at most BOUND; without release it would need 53 too
+def test_hybrid_fits_a_pool_that_only_skipping_makes_big_enough(gemma2):
+    # the full group needs 53 blocks, the sliding group at most BOUND; without skipping it would need 53 too
     tight = 53 + BOUND
     reference, paged, _ = run_both(gemma2, prompt(20), num_blocks=tight)
     assert torch.equal(reference.sequences, paged.sequences)
     cache = PagedCache(gemma2, block_size=BLOCK_SIZE, num_blocks=tight)
-    cache.sliding_release_window = None
+    cache.skip_window = None
     with pytest.raises(PoolExhaustedError):
         gemma2.generate(prompt(20), past_key_values=cache, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
     cache.release()
@@ -271,7 +272,7 @@ def test_left_padded_batch_sampling_and_beams_match_dynamic_cache(gemma3):
     assert meter.most(1) <= BOUND
 
 
-def test_negative_control_on_a_hybrid_releasing_one_token_too_many_changes_the_output(gemma2):
+def test_negative_control_on_a_hybrid_skipping_one_token_too_many_changes_the_output(gemma2):
     reference, paged, _ = run_both(gemma2, prompt(20), window=WINDOW - 1, max_new_tokens=120, min_new_tokens=120)
     assert not torch.equal(reference.sequences, paged.sequences) or logits_gap(reference, paged) > 1e-3
 
@@ -289,7 +290,7 @@ def test_a_long_shared_prefix_is_reused_the_sliding_groups_keep_only_its_window(
     assert torch.equal(out, gemma2.generate(second, max_new_tokens=40, do_sample=False))
     assert again.stats().prefix_tokens_reused == 96  # 12 full blocks of the system prompt in every group
     full, sliding = again.group_tables[0][0], again.group_tables[1][0]
-    assert full.num_released == 0 and sliding.num_released > 96 // BLOCK_SIZE - BOUND
+    assert full.num_skipped == 0 and sliding.num_skipped > 96 // BLOCK_SIZE - BOUND
     again.release()
     again.pool.check_invariants()
 
@@ -321,7 +322,7 @@ def test_a_prefix_whose_head_was_evicted_is_still_a_hit_for_the_sliding_groups(g
     text = gemma3.generate(prompt(80, seed=8), past_key_values=cache, max_new_tokens=60, do_sample=False)
     cache.release()  # 139 tokens stored; blocks 0-16 are full and cached in every group
     allocator = cache.pool.allocator
-    # the first decode step gave back blocks 0-5 of both sliding groups (tokens 0-47, behind the window of token
+    # the first decode step gave back blocks 0-5 of both sliding groups (tokens 0-47, skipped by the window of token
     # 80): the 12 oldest evictable blocks. Take every free block and those 12
     stats = allocator.stats()
     hog = allocator.new_table()
@@ -349,7 +350,7 @@ def test_engine_on_a_hybrid_matches_generate_alone_and_holds_the_window(gemma2):
         for p in prompts
     ]
     engine = Engine(gemma2, block_size=BLOCK_SIZE, num_blocks=4 * (full_blocks(27 + 120) + BOUND) + 8)
-    assert engine.scheduler.windows == [None, WINDOW]
+    assert engine.planner.layout.windows == [None, WINDOW]
     with BlockMeter(gemma2, engine.cache) as meter:
         outputs = engine.generate(prompts, max_new_tokens=120, min_new_tokens=120, do_sample=False)
     assert [o.token_ids for o in outputs] == [a.tolist() for a in alone]
@@ -358,14 +359,14 @@ def test_engine_on_a_hybrid_matches_generate_alone_and_holds_the_window(gemma2):
     engine.pool.check_invariants()
 
 
-def test_engine_follows_a_release_window_set_on_its_cache(gemma2):
+def test_engine_follows_a_skip_window_set_on_it(gemma2):
     request = prompt(20, seed=50)[0].tolist()
     alone = gemma2.generate(torch.tensor([request]), max_new_tokens=60, min_new_tokens=60, do_sample=False)
     engine = Engine(gemma2, block_size=BLOCK_SIZE, num_blocks=64)
-    engine.cache.sliding_release_window = None  # keep every block
+    engine.skip_window = None  # keep every block
     with BlockMeter(gemma2, engine.cache) as meter:
         (output,) = engine.generate([request], max_new_tokens=60, min_new_tokens=60, do_sample=False)
-    assert engine.scheduler.windows == [None, None] and output.token_ids == alone[0, 20:].tolist()
+    assert engine.planner.layout.windows == [None, None] and output.token_ids == alone[0, 20:].tolist()
     assert max(meter.per_row) == full_blocks(20 + 60 - 1) == 10  # the sliding group kept every block too
 
 
@@ -409,15 +410,15 @@ def test_snapshot_of_a_hybrid_cache_labels_every_group(gemma2):
 
 
 # ---------------------------------------------------------------------------------------------------- allocator
-def test_release_leading_gives_back_full_leading_blocks_in_order():
+def test_free_skipped_gives_back_full_leading_blocks_in_order():
     allocator = BlockAllocator(num_blocks=8, block_size=4)
     table = allocator.new_table()
     allocator.append(table, 14)
     assert table.block_ids == [0, 1, 2, 3]
-    assert allocator.release_leading(table, 7) == 1  # tokens 0-6 dead: only block 0 is wholly dead
-    assert table.block_ids == [None, 1, 2, 3] and table.num_released == 1 and table.num_tokens == 14
+    assert allocator.free_skipped(table, 7) == 1  # tokens 0-6 skipped: only block 0 is wholly skipped
+    assert table.block_ids == [None, 1, 2, 3] and table.num_skipped == 1 and table.num_tokens == 14
     assert allocator.free_block_ids == [4, 5, 6, 7, 0]
-    assert allocator.release_leading(table, 8) == 1 and allocator.release_leading(table, 8) == 0
+    assert allocator.free_skipped(table, 8) == 1 and allocator.free_skipped(table, 8) == 0
     assert table.block_ids == [None, None, 2, 3] and allocator.free_block_ids == [4, 5, 6, 7, 0, 1]
     assert allocator.stats().num_used == 2 and allocator.stats().tokens_stored == 6
     allocator.append(table, 3)  # fills block 3, then takes block 4
@@ -428,17 +429,17 @@ def test_release_leading_gives_back_full_leading_blocks_in_order():
     allocator.check_invariants()
 
 
-def test_release_leading_of_a_shared_block_keeps_it_for_the_other_holder():
+def test_free_skipped_of_a_shared_block_keeps_it_for_the_other_holder():
     allocator = BlockAllocator(num_blocks=6, block_size=2)
     parent = allocator.new_table()
     allocator.append(parent, 5)
     child = allocator.fork(parent)
-    allocator.release_leading(parent, 4)
+    allocator.free_skipped(parent, 4)
     assert parent.block_ids == [None, None, 2] and child.block_ids == [0, 1, 2]
     assert [allocator.ref_count(b) for b in range(3)] == [1, 1, 2] and allocator.free_block_ids == [3, 4, 5]
-    grandchild = allocator.fork(parent)  # released entries are forked as released
+    grandchild = allocator.fork(parent)  # skipped entries are forked as skipped
     assert grandchild.block_ids == [None, None, 2] and allocator.ref_count(2) == 3
-    allocator.release_leading(child, 2)
+    allocator.free_skipped(child, 2)
     assert allocator.free_block_ids == [3, 4, 5, 0]
     allocator.check_invariants()
     for table in (parent, child, grandchild):
@@ -446,24 +447,24 @@ def test_release_leading_of_a_shared_block_keeps_it_for_the_other_holder():
     allocator.check_invariants()
 
 
-def test_released_cached_block_stays_findable_as_evictable():
+def test_skipped_cached_block_stays_findable_as_evictable():
     allocator = BlockAllocator(num_blocks=4, block_size=2)
     table = allocator.new_table()
     allocator.append(table, 3)
     allocator.cache_block(0, b"h0", (5, 6))
-    allocator.release_leading(table, 2)
+    allocator.free_skipped(table, 2)
     assert allocator.evictable_block_ids == [0] and allocator.free_block_ids == [2, 3, 0]
     assert allocator.lookup_prefix([(b"h0", (5, 6))]) == [0]
     allocator.free(table)
     allocator.check_invariants()
 
 
-def test_truncate_into_released_blocks_is_refused_and_changes_nothing():
+def test_truncate_into_skipped_blocks_is_refused_and_changes_nothing():
     allocator = BlockAllocator(num_blocks=8, block_size=4)
     table = allocator.new_table()
     allocator.append(table, 14)
-    allocator.release_leading(table, 8)
-    with pytest.raises(ValueError, match="released"):
+    allocator.free_skipped(table, 8)
+    with pytest.raises(ValueError, match="skipped"):
         allocator.truncate(table, 6)
     assert table.block_ids == [None, None, 2, 3] and table.num_tokens == 14
     allocator.truncate(table, 9)
@@ -473,21 +474,21 @@ def test_truncate_into_released_blocks_is_refused_and_changes_nothing():
     allocator.free(table)
 
 
-@pytest.mark.parametrize("dead", [-1, 15, 2.0, True])
-def test_release_leading_refuses_bad_counts(dead):
+@pytest.mark.parametrize("skipped", [-1, 15, 2.0, True])
+def test_free_skipped_refuses_bad_counts(skipped):
     allocator = BlockAllocator(num_blocks=8, block_size=4)
     table = allocator.new_table()
     allocator.append(table, 14)
-    with pytest.raises((ValueError, TypeError), match="num_dead_tokens"):
-        allocator.release_leading(table, dead)
+    with pytest.raises((ValueError, TypeError), match="num_skipped_tokens"):
+        allocator.free_skipped(table, skipped)
     allocator.free(table)
 
 
-def test_check_invariants_catches_a_released_entry_after_a_live_one():
+def test_check_invariants_catches_a_skipped_entry_after_a_live_one():
     allocator = BlockAllocator(num_blocks=4, block_size=2)
     table = allocator.new_table()
     allocator.append(table, 4)
-    allocator.release_leading(table, 2)
+    allocator.free_skipped(table, 2)
     table.block_ids[:] = [1, None]  # corrupt: a hole after a live entry
     allocator._ref_counts[0], allocator._ref_counts[1] = 0, 1
     with pytest.raises(InvariantError, match="invariant 8"):

@@ -12,8 +12,10 @@ from collections.abc import Iterator, Sequence
 import torch
 from transformers import GenerationConfig
 
-from ..cache import PagedCache
+from ..batch_cache import BatchCache
+from ..config import PagedCacheConfig
 from ..forward import attention_implementation, paged_attention_for
+from ..planner import ForwardPlanner
 from .params import SamplingParams
 from .request import Request, RequestOutput, RequestStatus
 from .sampler import next_tokens, token_logprobs
@@ -78,17 +80,16 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.progress = progress
-        self.cache = PagedCache(model, **cache_config)
-        self.pool = self.cache.pool
-        root = self.cache.prefix_root if self.cache.prefix_caching else None
-        self.scheduler = Scheduler(
-            self.pool.allocator, root, max_batch_size, max_prefill_tokens, self.cache.release_windows
-        )
+        self.cache_config = PagedCacheConfig.from_dict(cache_config)
+        self.planner = ForwardPlanner.for_model(model, self.cache_config)
+        self.pool = self.planner.pool
+        self.cache = BatchCache(model, self.planner)
         text_config = model.config.get_text_config(decoder=True)
         self.vocab_size = text_config.vocab_size
         self.max_context = getattr(text_config, "max_position_embeddings", None)
         self.pad_token_id = _pad_token_id(model, tokenizer)
         self.device = model.get_input_embeddings().weight.device
+        self.scheduler = Scheduler(self.planner, max_batch_size, max_prefill_tokens, self.device)
         self._keep_last_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._lock = threading.RLock()
         self._requests: dict[str, Request] = {}
@@ -156,6 +157,17 @@ class Engine:
             return bool(self._requests)
 
     @property
+    def skip_window(self) -> int | None:
+        """The widest window by which sliding layer groups skip blocks (see `PagedCache.skip_window`); setting it
+        overrides every sliding group's (`None`: keep every block)."""
+        return self.planner.layout.skip_window
+
+    @skip_window.setter
+    def skip_window(self, window: int | None) -> None:
+        with self._lock:
+            self.cache.skip_window = window
+
+    @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
@@ -172,7 +184,8 @@ class Engine:
     def prefix_hit_rate(self) -> float:
         """Share of admitted prompt tokens taken from the prefix cache since the last `reset_stats()` (cheap)."""
         counters = self._counters
-        return counters["reused_tokens"] / counters["admitted_tokens"] if counters["admitted_tokens"] else 0.0
+        reused, admitted = counters["prefix_tokens_reused"], counters["admitted_tokens"]
+        return reused / admitted if admitted else 0.0
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
@@ -180,9 +193,8 @@ class Engine:
         requests are reported once and forgotten."""
         with self._lock:
             changed = [r for r in self._requests.values() if r.finished]  # max_new_tokens=0, or failed earlier
-            if self.scheduler.root is not None:  # the weights may have been trained since the last step
-                self.scheduler.root = self.cache.refresh_prefix_root()
-            self.scheduler.windows = self.cache.release_windows  # `sliding_release_window` may have been set
+            if self.planner.prefix_caching:  # the weights may have been trained since the last step
+                self.planner.refresh_root(self.model)
             step, failed = self.scheduler.schedule()
             changed += failed
             if step is not None:
@@ -199,7 +211,9 @@ class Engine:
     def _run(self, step: Step) -> list[Request]:
         """Run `step`; returns the requests that got a token (a prompt chunk short of the end gets none)."""
         self._counters["admitted_tokens"] += sum(r.num_tokens for r in step.admitted)
-        self._counters["reused_tokens"] += sum(r.row.num_tokens for r in step.admitted)
+        self._counters["prefix_tokens_reused"] += sum(  # a step's blocks are taken: its chunk is in the rows
+            r.row.num_tokens - count for r, count in zip(step.requests, step.new_tokens) if r in step.admitted
+        )
         try:
             logits = self._forward(step)
             done = [i for i, r in enumerate(step.requests) if r.row.num_tokens == r.num_tokens]
@@ -210,9 +224,9 @@ class Engine:
                 tokens = next_tokens(sampled, logits)
                 logprobs = token_logprobs(sampled, logits, tokens)
         except BaseException as error:
+            self.cache.detach()
             for request in step.requests:
                 self.scheduler.finish(request, "error", f"{type(error).__name__}: {error}")
-            self.cache.detach_rows()
             raise
         self._counters["steps"] += 1
         self._counters[f"{step.kind}_steps"] += 1
@@ -224,21 +238,22 @@ class Engine:
         return sampled
 
     def _forward(self, step: Step) -> torch.Tensor:
-        pads = self.cache.schedule([r.row for r in step.requests], step.new_tokens)
-        inputs = self._forward_inputs(step, pads, max(step.new_tokens), self.cache.get_seq_length())
+        self.cache.run(step.batch)
+        inputs = self._forward_inputs(step)
         if self._keep_last_logits:
             inputs["logits_to_keep"] = 1
-        implementation = paged_attention_for(self.model, self.cache.cache_config)
+        implementation = paged_attention_for(self.model, self.cache_config)
         with torch.inference_mode(), attention_implementation(self.model, implementation):
             output = self.model(**inputs, past_key_values=self.cache, use_cache=True)
         return output.logits[:, -1, :]
 
-    def _forward_inputs(self, step: Step, pads: list[int], width: int, past_length: int) -> dict[str, torch.Tensor]:
-        """`input_ids`, `attention_mask` and `position_ids` of the right-aligned layout `PagedCache.schedule` chose:
-        row `i` has `pads[i]` left pads and computes the last `width` of its positions, which end after its
-        `new_tokens[i]` new tokens."""
-        length = past_length + width
-        ends = [r.row.num_tokens + n for r, n in zip(step.requests, step.new_tokens)]
+    def _forward_inputs(self, step: Step) -> dict[str, torch.Tensor]:
+        """`input_ids`, `attention_mask` and `position_ids` of the step's right-aligned batch (`plan_step`): row `i`
+        has `leading_pads[i]` left pads and computes the last `num_new` of its positions, which end after its new
+        tokens."""
+        batch = step.batch
+        pads, width, past_length, length = batch.leading_pads, batch.num_new, batch.past_length, batch.length
+        ends = [r.row.num_tokens for r in step.requests]  # the step's blocks are taken: its tokens are in the rows
         windows = [r.token_ids[max(end - width, 0) : end] for r, end in zip(step.requests, ends)]
         device = self.device
         input_ids = torch.tensor(
@@ -335,7 +350,7 @@ class Engine:
                     "prefill_steps",
                     "decode_steps",
                     "admitted_tokens",
-                    "reused_tokens",
+                    "prefix_tokens_reused",
                 ),
                 0,
             )
@@ -363,7 +378,7 @@ class Engine:
                 decode_steps=c["decode_steps"],
                 preemptions=self.scheduler.num_preemptions - self._preemptions_at_reset,
                 peak_blocks=self.pool.stats().peak_used,
-                prefix_hit_rate=c["reused_tokens"] / c["admitted_tokens"] if c["admitted_tokens"] else 0.0,
+                prefix_hit_rate=self.prefix_hit_rate,
             )
 
     def _account_finished(self, request: Request) -> None:
@@ -379,7 +394,7 @@ class Engine:
             for request_id in list(self._requests):
                 self.abort(request_id)
             self._requests.clear()
-            self.cache.detach_rows()
+            self.cache.detach()
 
     def __enter__(self) -> Engine:
         return self

@@ -1,14 +1,15 @@
-"""`Scheduler`: which requests run the next forward — admission, decode, preemption. Pure Python over the
-allocator; it never touches tensors."""
+"""`Scheduler`: which requests run the next forward — admission, decode, preemption — decided and allocated in one
+call through the `ForwardPlanner` (what it decides is what runs)."""
 
 from __future__ import annotations
 
 import logging
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass
 
-from ..allocator import BlockAllocator
-from ..prefix import group_roots
+from ..batch import ForwardBatch
+from ..errors import PoolExhaustedError
+from ..planner import ForwardPlanner
 from ..rows import Row
 from .request import Request, RequestStatus
 
@@ -20,63 +21,66 @@ class Step:
     """One forward: `requests` each storing `new_tokens[i]` tokens. A prefill step admits waiting requests (their
     prompt, or prompt plus output after a preemption), or computes the next chunk of a prompt longer than the
     prefill budget; a decode step feeds every decoding request its last token. `admitted` are the requests this
-    step admits."""
+    step admits; `batch` is the planned forward (its blocks already taken)."""
 
     kind: str
     requests: list[Request]
     new_tokens: list[int]
     admitted: tuple[Request, ...] = ()
+    batch: ForwardBatch | None = None
 
 
 class Scheduler:
     """First come, first served continuous batching over one block pool.
 
-    Each `schedule()` admits waiting requests in arrival order while the pool holds their uncached prompt blocks
-    on top of what the running requests need for their next token (and the padded prefill stays within
-    `max_prefill_tokens`); admitted requests are prefilled in one forward. A prompt longer than `max_prefill_tokens`
-    is admitted alone and prefilled in chunks of that many tokens, one chunk per step, with decode steps of the
-    other running requests in between (no other request is admitted until its last chunk). Otherwise every running
-    request decodes one token; when the pool cannot hold that, the most recently admitted request is preempted: its
-    blocks go back (full ones stay in the prefix cache) and it waits at the head of the queue to be recomputed.
+    Each `schedule()` first gives back the blocks the running requests' sliding windows skipped, then admits
+    waiting requests in arrival order while the pool holds their uncached prompt blocks on top of what the running
+    requests need for their next token (and the padded prefill stays within `max_prefill_tokens`); admitted
+    requests are prefilled in one forward. A prompt longer than `max_prefill_tokens` is admitted alone and
+    prefilled in chunks of that many tokens, one chunk per step, with decode steps of the other running requests in
+    between (no other request is admitted until its last chunk). Otherwise every running request decodes one
+    token; when the pool cannot hold that, the most recently admitted request is preempted: its blocks go back
+    (full ones stay in the prefix cache) and it waits at the head of the queue to be recomputed. Every decision
+    takes its blocks through the planner as it is made (all or nothing), and the step carries the planned
+    `ForwardBatch`.
 
     Args:
-        allocator (`BlockAllocator`): the pool's allocator.
-        root (`bytes`, *optional*): prefix-cache namespace root; `None` turns prefix reuse off.
+        planner (`ForwardPlanner`): plans the forwards (its pool, layout and prefix root).
         max_batch_size (`int`): most requests running at once.
         max_prefill_tokens (`int`): most padded positions (rows x width) in one prefill forward; a longer prompt
             is admitted alone and prefilled in chunks of this many tokens.
-        windows (`list[int | None]`, *optional*): the release window of every layer group of the cache the rows
-            serve (`PagedCache.release_windows`; default one full-attention group): a row holds a table per group,
-            and the blocks the cache gives back behind sliding windows before a decode step count as free for it.
+        device (`torch.device | str`): where the batches' index tensors go (the model's input device).
 
     Example:
 
     ```python
-    >>> from hf_paged import BlockAllocator
     >>> from hf_paged.engine.params import SamplingParams
     >>> from hf_paged.engine.request import Request
-    >>> scheduler = Scheduler(BlockAllocator(num_blocks=4, block_size=4), root=None)
+    >>> from hf_paged.groups import KVLayout
+    >>> from hf_paged.planner import ForwardPlanner
+    >>> from hf_paged.pool import BlockPool
+    >>> pool = BlockPool(num_blocks=4, block_size=4)
+    >>> scheduler = Scheduler(ForwardPlanner(pool, KVLayout.for_windows([None]), root=None))
     >>> scheduler.add(Request("a", [1, 2, 3, 4, 5], SamplingParams()))
     >>> step, failed = scheduler.schedule()
     >>> step.kind, step.new_tokens, step.requests[0].row.table.block_ids
-    ('prefill', [5], [])
+    ('prefill', [5], [0, 1])
 
     ```
     """
 
     def __init__(
         self,
-        allocator: BlockAllocator,
-        root: bytes | None,
+        planner: ForwardPlanner,
         max_batch_size: int = 64,
         max_prefill_tokens: int = 4096,
-        windows: list[int | None] | None = None,
+        device="cpu",
     ):
-        self.allocator = allocator
-        self.root = root
-        self.windows = list(windows) if windows else [None]
+        self.planner = planner
+        self.pool = planner.pool
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
+        self.device = device
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -99,8 +103,10 @@ class Scheduler:
         request.finish(reason, error)
 
     def schedule(self) -> tuple[Step | None, list[Request]]:
-        """The next forward (or `None` when idle), and the requests that failed because they can never fit."""
+        """The next forward (or `None` when idle), its blocks taken, and the requests that failed because they can
+        never fit."""
         failed: list[Request] = []
+        self.planner.prepare([request.row for request in self.running])
         step = self._next_step(failed)
         self._last_kind = None if step is None else step.kind
         return step, failed
@@ -109,20 +115,17 @@ class Scheduler:
         partial = next((r for r in self.running if self.pending_tokens(r) > 1), None)
         if partial is not None:
             others_decode = len(self.running) > 1 and self._last_kind == "prefill"
-            if not others_decode and self._room_for_chunk(partial, failed):
-                return Step("prefill", [partial], [self._chunk(partial)])
+            if not others_decode and (step := self._chunk_step(partial, failed)) is not None:
+                return step
         else:
-            admitted = self._admit(failed)
+            admitted, chunks = self._admit(failed)
             if admitted:
-                return Step("prefill", admitted, [self._chunk(r) for r in admitted], tuple(admitted))
-        self._make_room_for_decode(failed)
-        decoding = self._decoding()
-        if decoding:
-            return Step("decode", decoding, [1] * len(decoding))
+                return Step("prefill", admitted, chunks, tuple(admitted), self._plan(admitted, chunks, taken=True))
+        step = self._decode_step(failed)
+        if step is not None:
+            return step
         partial = next(iter(self.running), None)  # a chunked prefill alone: its next chunk
-        if partial is not None and self._room_for_chunk(partial, failed):
-            return Step("prefill", [partial], [self._chunk(partial)])
-        return None
+        return None if partial is None else self._chunk_step(partial, failed)
 
     @staticmethod
     def pending_tokens(request: Request) -> int:
@@ -137,41 +140,27 @@ class Scheduler:
         return [r for r in self.running if self.pending_tokens(r) == 1]
 
     def never_fits(self, num_tokens: int) -> str | None:
-        """Why a request of `num_tokens` tokens can never run in this pool (`blocks_to_run` exceeds the whole
-        pool), or `None`."""
-        allocator = self.allocator
-        blocks = self.blocks_to_run(num_tokens)
-        if blocks <= allocator.num_blocks:
-            return None
-        groups = "" if len(self.windows) == 1 else f" over its {len(self.windows)} layer groups"
-        return (
-            f"the request needs {blocks} blocks of {allocator.block_size} tokens{groups} for its {num_tokens} tokens "
-            f"and the next one, but the whole pool has {allocator.num_blocks} blocks"
-        )
+        """Why a request of `num_tokens` tokens can never run in this pool, or `None` (see
+        `ForwardPlanner.never_fits`)."""
+        return self.planner.never_fits(num_tokens, self.max_prefill_tokens)
 
-    def blocks_to_run(self, num_tokens: int) -> int:
-        """The most blocks a request of `num_tokens` tokens holds at once on its way to its next token: every
-        block in a full-attention group; in a sliding group, at most its window and one prefill chunk (blocks
-        behind the window go back before each forward)."""
-        size = self.allocator.block_size
-        total = 0
-        for window in self.windows:
-            blocks = -(-(num_tokens + 1) // size)
-            if window is not None:
-                blocks = min(blocks, -(-(window - 1 + self.max_prefill_tokens) // size) + 1)
-            total += blocks
-        return total
-
-    def _prefill_appends(self, row: Row, new_tokens: int, chunk: int) -> list:
-        """What admitting `row` with `new_tokens` to prefill must find room for: the whole prompt in full-attention
-        groups, its first `chunk` in sliding groups (which give back blocks behind their window between chunks)."""
-        return [(table, new_tokens if w is None else chunk) for table, w in zip(row.tables, self.windows)]
+    def _plan(self, requests: list[Request], counts: list[int], taken: bool = False) -> ForwardBatch:
+        """The forward of `requests` storing `counts[i]` tokens each (their blocks taken first unless `taken`)."""
+        token_ids = None
+        if self.planner.prefix_caching:
+            starts = [r.row.num_tokens - (count if taken else 0) for r, count in zip(requests, counts)]
+            token_ids = [r.token_ids[start : start + n] for r, start, n in zip(requests, starts, counts)]
+        rows = [r.row for r in requests]
+        return self.planner.plan_step(rows, counts, token_ids, taken=taken, device=self.device)
 
     # ------------------------------------------------------------------ admission
-    def _admit(self, failed: list[Request]) -> list[Request]:
-        allocator = self.allocator
-        reserve = allocator.num_blocks_needed_for(self._decode_appends())
+    def _admit(self, failed: list[Request]) -> tuple[list[Request], list[int]]:
+        """Admit waiting requests, taking the blocks of their first prefill chunk; returns them and those chunks."""
+        planner = self.planner
+        decoding = self._decoding()
+        reserve = planner.blocks_needed([r.row for r in decoding], [1] * len(decoding))
         admitted: list[Request] = []
+        chunks: list[int] = []
         width = 0
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
             request = self.waiting[0]
@@ -185,89 +174,83 @@ class Scheduler:
             row = self._new_row(tokens)
             new = len(tokens) - row.num_tokens
             chunk = min(new, self.max_prefill_tokens)
-            needed = allocator.num_blocks_needed_for(self._prefill_appends(row, new, chunk))
-            over_budget = admitted and (len(admitted) + 1) * max(width, chunk) > self.max_prefill_tokens
-            if over_budget or needed + reserve > allocator.num_free:
-                row.free(allocator)
+            if admitted and (len(admitted) + 1) * max(width, chunk) > self.max_prefill_tokens:
+                self.pool.free_rows([row])
+                break
+            reused = row.num_tokens
+            try:
+                planner.admit(row, new, chunk, keep_free=reserve)
+            except PoolExhaustedError as exhausted:
+                self.pool.free_rows([row])
                 if not admitted and not self.running:  # no request of this engine will free a block for it
                     self.waiting.popleft()
-                    request.finish("error", self._held_elsewhere(needed))
+                    request.finish("error", self._held_elsewhere(exhausted.num_needed))
                     failed.append(request)
                     continue
                 break
             self.waiting.popleft()
-            reserve += needed
+            self.pool.count_prefix_reuse(reused)
             width = max(width, chunk)
             request.row = row
-            request.prefix_tokens_reused += row.num_tokens
+            request.prefix_tokens_reused += reused
             request.status = RequestStatus.RUNNING
             admitted.append(request)
+            chunks.append(chunk)
         self.running.extend(admitted)
-        return admitted
+        return admitted, chunks
 
     def _held_elsewhere(self, needed: int) -> str:
-        allocator = self.allocator
+        pool = self.pool
         return (
-            f"the request needs {needed} free blocks but only {allocator.num_free} of the pool's "
-            f"{allocator.num_blocks} are free and this engine holds none: the others are held by caches outside it "
-            "(release them, e.g. PagedCache.release(), or give the pool more blocks)"
+            f"the request needs {needed} free blocks but only {pool.num_free} of the pool's {pool.num_blocks} are "
+            "free and this engine holds none: the others are held by caches outside it (release them, e.g. "
+            "PagedCache.release(), or give the pool more blocks)"
         )
 
     def _new_row(self, tokens: list[int]) -> Row:
-        if self.root is None:
-            return Row.empty(self.allocator, len(self.windows), track_tokens=False)
-        roots = group_roots(self.root, len(self.windows))
-        return Row.from_prefix_cache(self.allocator, roots, self.windows, tokens)
-
-    def _decode_appends(self) -> list:
-        return [append for request in self._decoding() for append in request.row.appends(1)]
+        planner = self.planner
+        if not planner.prefix_caching:
+            return self.pool.new_rows(1, planner.layout.num_groups, track_tokens=False)[0]
+        return self.pool.cached_prefix_row(planner.roots, planner.layout.windows, tokens, count_reuse=False)
 
     # ------------------------------------------------------------------ chunks, decode and preemption
-    def _room_for_chunk(self, request: Request, failed: list[Request]) -> bool:
-        """Whether the pool holds the next chunk of `request`; if not, `request` is preempted (or, alone, fails)."""
-        allocator = self.allocator
-        needed = allocator.num_blocks_needed_for(request.row.appends(self._chunk(request)))
-        if needed <= allocator.num_free + self._num_freed_by_release([request]):
-            return True
-        if len(self.running) == 1:
-            self._fail_alone(request, f"its next prompt chunk needs {needed} more", failed)
-        else:
-            self._preempt(request)
-        return False
-
-    def _make_room_for_decode(self, failed: list[Request]) -> None:
-        allocator = self.allocator
-        while self.running:
-            needed = allocator.num_blocks_needed_for(self._decode_appends())
-            if needed <= allocator.num_free + self._num_freed_by_release(self._decoding()):
-                return
-            victim = self.running[-1]
+    def _chunk_step(self, request: Request, failed: list[Request]) -> Step | None:
+        """The next prompt chunk of `request`, its blocks taken; `None` when the pool cannot hold it: `request` is
+        then preempted (or, alone, fails)."""
+        chunk = self._chunk(request)
+        try:
+            return Step("prefill", [request], [chunk], batch=self._plan([request], [chunk]))
+        except PoolExhaustedError as exhausted:
             if len(self.running) == 1:
-                self._fail_alone(victim, f"needs {needed} more", failed)
-                return
-            self._preempt(victim)
+                self._fail_alone(request, f"its next prompt chunk needs {exhausted.num_needed} more", failed)
+            else:
+                self._preempt(request)
+            return None
+
+    def _decode_step(self, failed: list[Request]) -> Step | None:
+        """One token for every decoding request, its blocks taken; the most recently admitted request is preempted
+        while the pool cannot hold them (alone, it fails). `None` when no request decodes."""
+        while self.running:
+            decoding = self._decoding()
+            if not decoding:
+                return None
+            try:
+                return Step("decode", decoding, [1] * len(decoding), batch=self._plan(decoding, [1] * len(decoding)))
+            except PoolExhaustedError as exhausted:
+                victim = self.running[-1]
+                if len(self.running) == 1:
+                    self._fail_alone(victim, f"needs {exhausted.num_needed} more", failed)
+                    return None
+                self._preempt(victim)
+        return None
 
     def _fail_alone(self, request: Request, need: str, failed: list[Request]) -> None:
         """End the only running request, which the whole pool cannot hold (`need`: what it needs more): with
         `"length"` and the tokens it has when it generated some, `"error"` when its prompt does not fit."""
         held = len(request.row.live_block_ids)
-        message = (
-            f"the request holds {held} blocks and {need}, but the pool has {self.allocator.num_blocks} blocks in all"
-        )
+        message = f"the request holds {held} blocks and {need}, but the pool has {self.pool.num_blocks} blocks in all"
         self.finish(request, _outgrown_reason(request), message)
         failed.append(request)
-
-    def _num_freed_by_release(self, requests: list[Request]) -> int:
-        """Blocks that become free when the cache gives back the rows' blocks behind their sliding windows at the
-        start of the forward of `requests` (a block shared by several rows only when all of them give it back)."""
-        if all(window is None for window in self.windows):
-            return 0
-        behind = Counter(
-            block_id
-            for request in requests
-            for block_id in request.row.blocks_behind(self.windows, self.allocator.block_size)
-        )
-        return sum(1 for block_id, count in behind.items() if self.allocator.ref_count(block_id) == count)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -280,7 +263,7 @@ class Scheduler:
 
     def _drop_row(self, request: Request) -> None:
         if request.row is not None:
-            request.row.free(self.allocator)
+            self.pool.free_rows([request.row])
             request.row = None
 
 

@@ -225,7 +225,7 @@ def _draw_tables(ax, Rectangle, snapshot: PoolSnapshot, colors, span: int) -> No
         y, color = rows - 1 - row, colors[row]
         ax.text(-0.2, y + 0.45, f"{label} ({plural(num_tokens, 'token')})", ha="right", va="center", fontsize=8)
         for logical, block_id in enumerate(block_ids):
-            if block_id is None:  # released behind the sliding window
+            if block_id is None:  # skipped by the sliding window (given back)
                 ax.text(logical + 0.45, y + 0.45, "-", ha="center", va="center", fontsize=7, color="#888888")
                 continue
             tokens = min(snapshot.block_size, num_tokens - logical * snapshot.block_size)

@@ -62,7 +62,7 @@ class PoolSnapshot:
         blocks (`tuple[BlockView, ...]`): every physical block, by id.
         labels (`tuple[str, ...]`): a name for each shown sequence.
         tables (`tuple[tuple[int | None, ...], ...]`): the physical block ids of each shown sequence, in logical
-            order (`None`: a block released behind the sliding window).
+            order (`None`: a block its sliding window skipped, given back).
         num_tokens (`tuple[int, ...]`): tokens in each shown sequence.
 
     Example:
@@ -157,9 +157,9 @@ def pool_snapshot(source, tables=None) -> PoolSnapshot:
 
 
 def _resolve_source(source) -> tuple[BlockAllocator, list[BlockTable], str]:
-    from ..cache import PagedCache
+    from ..batch_cache import BatchCache
 
-    if isinstance(source, PagedCache):
+    if isinstance(source, BatchCache):
         if source.layout.num_groups == 1:
             return source.pool.allocator, source.row_tables, "row"
         tables = {

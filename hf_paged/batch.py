@@ -1,0 +1,210 @@
+"""`ForwardBatch`: one forward, planned before the model runs — where its new tokens are written and where each
+layer reads its K/V from. The cache writes and reads through it; it takes no block."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .allocator import BlockTable
+from .groups import KVLayout
+from .rows import Row
+from .storage import KVStorage, head_rows
+
+
+@dataclass(frozen=True)
+class ForwardInputs:
+    """What the forward pre-hook knows about the coming forward.
+
+    Attributes:
+        attention_mask, input_ids, position_ids (`torch.Tensor`, *optional*): the forward's inputs.
+        shape (`tuple[int, int] | None`): `(batch, new positions)` from `input_ids` or `inputs_embeds`; `None` when
+            neither was given (the forward is then planned at its first K/V write).
+        device (`torch.device`, *optional*): where those inputs are.
+        reads_tables (`bool`): whether the model's attention is `"hf_paged"` (it reads K/V through the tables).
+        beyond_token_ids (`bool`): whether other tensor inputs (images, `inputs_embeds`, ...) decide K/V too.
+    """
+
+    attention_mask: torch.Tensor | None = None
+    input_ids: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
+    shape: tuple[int, int] | None = None
+    device: torch.device | None = None
+    reads_tables: bool = False
+    beyond_token_ids: bool = False
+
+
+@dataclass
+class Addressing:
+    """Where one layer group's new tokens go and where its layers read their K/V from, in one forward.
+
+    `slot_map[b, j]` is the slot (`block_id * block_size + offset`) of padded position `j` of row `b`; left-pad
+    positions and positions whose block the group's window skipped name the row's first live slot, which the
+    attention mask hides (a sliding layer reads from `KVLayout.first_read` on, and every query whose output is used
+    sees only positions inside its window). `write_slots` are the slots of the new tokens that are stored;
+    `write_index` selects them from the flattened `[batch * num_new]` new tokens (`None` when every new token is
+    stored).
+    """
+
+    slot_map: torch.Tensor
+    write_slots: torch.Tensor
+    write_index: torch.Tensor | None
+    _moved: dict = field(default_factory=dict)
+    _head_rows: dict = field(default_factory=dict)
+
+    def head_rows(self, num_heads: int, first: int) -> torch.Tensor:
+        """`storage.head_rows` of `slot_map[:, first:]`, computed once per forward for all layers alike."""
+        key = (num_heads, first)
+        if key not in self._head_rows:
+            self._head_rows[key] = head_rows(self.slot_map[:, first:], num_heads)
+        return self._head_rows[key]
+
+    def on(self, device: torch.device) -> Addressing:
+        """This addressing with its index tensors on `device` (for models whose layers sit on several devices)."""
+        if device == self.slot_map.device:
+            return self
+        if device not in self._moved:
+            index = None if self.write_index is None else self.write_index.to(device)
+            self._moved[device] = Addressing(self.slot_map.to(device), self.write_slots.to(device), index)
+        return self._moved[device]
+
+
+@dataclass
+class ForwardBatch:
+    """One forward of `rows`, planned once for all layers by `ForwardPlanner`: its blocks are taken (copy-on-write
+    copies done) before the model runs. Every row computes the last `num_new` of its `length` padded positions.
+
+    Attributes:
+        rows (`list[Row]`): the rows, in batch order (not owned: their blocks belong to whoever built them).
+        groups (`list[Addressing]`): the addressing of every layer group (`KVLayout.groups`).
+        layout (`KVLayout`): the layer groups and windows.
+        past_length (`int`): padded positions cached before this forward.
+        num_new (`int`): positions every row computes.
+        reads_tables (`bool`): whether attention reads K/V through the tables (`"hf_paged"`): `write` then hands
+            back only the new tokens.
+        num_copies (`int`): blocks copied (copy-on-write) while planning it.
+        leading_pads (`list[int]`): every row's left-pad positions (never stored).
+        layers_written, layers_read (`set[int]`): the layers that wrote and read so far.
+    """
+
+    rows: list[Row]
+    groups: list[Addressing]
+    layout: KVLayout
+    past_length: int
+    num_new: int
+    reads_tables: bool
+    num_copies: int = 0
+    leading_pads: list[int] = field(default_factory=list)
+    layers_written: set[int] = field(default_factory=set)
+    layers_read: set[int] = field(default_factory=set)
+    last_layer: int | None = None
+
+    @property
+    def length(self) -> int:
+        """Padded positions after this forward."""
+        return self.past_length + self.num_new
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    def write(self, storage: KVStorage, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Store layer `layer_idx`'s new K/V (`[batch, num_kv_heads, num_new, head_dim]`) in the planned slots."""
+        self.layers_written.add(layer_idx)
+        self.last_layer = layer_idx
+        batch, num_heads, num_new, head_dim = key_states.shape
+        local = self.groups[self.layout.group_of[layer_idx]].on(key_states.device)
+        new_keys = key_states.transpose(1, 2).reshape(batch * num_new, num_heads, head_dim)
+        new_values = value_states.transpose(1, 2).reshape(batch * num_new, num_heads, head_dim)
+        if local.write_index is not None:
+            new_keys = new_keys.index_select(0, local.write_index)
+            new_values = new_values.index_select(0, local.write_index)
+        storage.write(layer_idx, local.write_slots, new_keys, new_values)
+
+    def read(self, storage: KVStorage, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of `layer_idx` for every padded position it attends to, gathered through the block tables:
+        `[batch, num_kv_heads, length - first read, head_dim]`."""
+        if layer_idx not in self.layers_written:
+            raise RuntimeError(f"layer {layer_idx} did not write its K/V in this forward")
+        self.layers_read.add(layer_idx)
+        local = self.groups[self.layout.group_of[layer_idx]].on(storage.device_of(layer_idx))
+        first = self.layout.first_read(layer_idx, self.past_length)
+        slot_map = local.slot_map[:, first:] if first else local.slot_map
+        return storage.gather(layer_idx, slot_map, local.head_rows(storage.num_heads(layer_idx), first))
+
+    def is_complete(self, num_layers: int) -> bool:
+        """Whether every layer has written (the forward's full blocks can be found by others)."""
+        return len(self.layers_written) == num_layers
+
+    def unread_layer(self, next_layer: int | None, num_layers: int) -> int | None:
+        """Under `"hf_paged"` attention, the layer that wrote last but did not read its K/V back through the tables
+        (its attention saw only the new tokens: the model does not route it through the registered function),
+        noticed when `next_layer` writes next (`None`: when the next forward starts); `None` when there is none."""
+        last = self.last_layer
+        if not self.reads_tables or last is None or last in self.layers_read:
+            return None
+        unfinished = len(self.layers_written) < num_layers
+        if unfinished and (next_layer is None or next_layer in self.layers_written):
+            return None  # an unfinished forward is dropped, not a layer that skipped its read
+        return last
+
+
+def address_tables(
+    rows: list[BlockTable],
+    leading_pads: list[int],
+    block_size: int,
+    length: int,
+    num_new: int,
+    device: torch.device,
+    stores: list[int] | None = None,
+    writers: list[bool] | None = None,
+) -> Addressing:
+    """Addressing, computed from one layer group's block tables, for a forward whose stored tokens were just
+    appended to `rows` (padded length now `length`).
+
+    Row `i` stores the last `stores[i]` of the forward's `num_new` positions (all of them by default); the positions
+    before those are left pads or tokens the row already holds (recomputed, not written again). Rows whose `writers`
+    entry is False share the blocks of another row that writes the same tokens (duplicate prompts), so their new
+    tokens are not written again."""
+    num_cols = max(len(t.block_ids) for t in rows)
+    skipped = [t.num_skipped for t in rows]
+    blocks = torch.tensor(
+        [
+            [t.block_ids[first]] * first + t.block_ids[first:] + [t.block_ids[first]] * (num_cols - len(t.block_ids))
+            for t, first in zip(rows, skipped)
+        ],
+        dtype=torch.long,
+        device=device,
+    )
+    pads = torch.tensor(leading_pads, dtype=torch.long, device=device)
+    logical = torch.arange(length, device=device)[None, :] - pads[:, None]
+    first_live = torch.tensor(skipped, dtype=torch.long, device=device)[:, None] * block_size
+    position = torch.maximum(logical, first_live)  # pad and skipped positions read the row's first live slot
+    slot_map = blocks.gather(1, position // block_size) * block_size + position % block_size
+    write_slots = slot_map[:, length - num_new :].reshape(-1)
+    stores = [num_new] * len(rows) if stores is None else stores
+    if writers is None and all(count == num_new for count in stores):
+        return Addressing(slot_map, write_slots, None)
+    first_stored = torch.tensor([t.num_tokens - count for t, count in zip(rows, stores)], device=device)
+    stored = logical[:, length - num_new :] >= first_stored[:, None]
+    if writers is not None:
+        stored &= torch.tensor(writers, device=device)[:, None]
+    stored = stored.reshape(-1)
+    return Addressing(slot_map, write_slots[stored], stored.nonzero().squeeze(1))
+
+
+def extend_addressing(previous: Addressing, rows: list[BlockTable], block_size: int, num_new: int) -> Addressing:
+    """The previous forward's slot map plus this forward's `num_new` tokens per row, valid when the tables changed
+    only by appending (no reorder, truncation, copy-on-write or skipped block since `previous`) and every new token
+    is stored."""
+    new = [
+        [
+            t.block_ids[p // block_size] * block_size + p % block_size
+            for p in range(t.num_tokens - num_new, t.num_tokens)
+        ]
+        for t in rows
+    ]
+    new_slots = torch.tensor(new, dtype=torch.long, device=previous.slot_map.device)
+    slot_map = torch.cat([previous.slot_map, new_slots], dim=1)
+    return Addressing(slot_map, new_slots.reshape(-1), None)

@@ -1,0 +1,248 @@
+"""`BatchCache`: a transformers `Cache` that writes and reads K/V through the `ForwardBatch` of the running forward."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from transformers.cache_utils import Cache
+
+from .batch import ForwardBatch, ForwardInputs, address_tables
+from .forward import ForwardBoundCache, attach_to_model
+from .groups import KVLayout
+from .layer import PagedLayer
+from .planner import ForwardPlanner
+from .pool import BlockPool
+from .rows import Row
+
+
+class BatchCache(Cache, ForwardBoundCache):
+    """A `Cache` over a model's `BlockPool` that only writes and reads: every forward runs a `ForwardBatch` planned
+    before the model runs (blocks taken, slots addressed), given with `run(batch)`. The Engine runs its scheduler's
+    batches through one; `PagedCache` subclasses it and plans its own batches for `generate`.
+
+    `update(key_states, value_states, layer_idx)` writes the new tokens' K/V into the planned slots. Under the
+    `"hf_paged"` attention it returns only those new tokens: the attention reads the layer's whole K/V through the
+    block tables (`read_layer`). Under any other attention it returns the layer's K/V gathered densely,
+    `[batch, num_kv_heads, positions read, head_dim]`, as transformers' dynamic layers do (a sliding layer: its
+    last `sliding_window - 1` positions and the new ones).
+
+    Args:
+        model (`PreTrainedModel`): the model whose forwards use this cache.
+        planner (`ForwardPlanner`): plans the batches (its pool and layout are the cache's).
+
+    Example:
+
+    ```python
+    >>> import torch, hf_paged
+    >>> from hf_paged.planner import ForwardPlanner
+    >>> from hf_paged.reference_models import tiny_model
+    >>> model = tiny_model("llama")
+    >>> pool = hf_paged.get_pool(model, block_size=4, num_blocks=16)
+    >>> planner = ForwardPlanner(pool, pool.layout)
+    >>> rows = pool.new_rows(1, pool.layout.num_groups, track_tokens=False)
+    >>> cache = BatchCache(model, planner)
+    >>> cache.run(planner.plan_step(rows, [3]))
+    >>> logits = model(torch.tensor([[5, 6, 7]]), past_key_values=cache).logits
+    >>> cache.get_seq_length(), rows[0].num_tokens
+    (3, 3)
+    >>> pool.free_rows(rows)
+
+    ```
+    """
+
+    def __init__(self, model: torch.nn.Module, planner: ForwardPlanner):
+        layout = planner.layout
+        super().__init__(layers=[PagedLayer(self, i, window) for i, window in enumerate(layout.layer_windows)])
+        self.planner = planner
+        self.pool: BlockPool = planner.pool
+        self._model_ref = weakref.ref(model)
+        self._model_name = type(model).__name__
+        self._batch: ForwardBatch | None = None
+        self._layers_per_forward = 0  # most layers seen writing in one forward
+        attach_to_model(model)
+
+    # ------------------------------------------------------------------ views
+    @property
+    def layout(self) -> KVLayout:
+        """The model's layer groups (see `KVLayout`); every row holds one block table per group."""
+        return self.planner.layout
+
+    @property
+    def skip_window(self) -> int | None:
+        """The widest window by which the sliding layer groups skip blocks (`None`: every group keeps its blocks);
+        setting it overrides every sliding group's window (`None`: keep every block)."""
+        return self.layout.skip_window
+
+    @skip_window.setter
+    def skip_window(self, window: int | None) -> None:
+        self.planner.layout = self.layout.with_skip_window(window)
+        self.planner.forget_previous()
+
+    @property
+    def rows(self) -> list[Row]:
+        """The rows of the current forward (do not modify)."""
+        return [] if self._batch is None else self._batch.rows
+
+    @property
+    def row_tables(self) -> list:
+        """The `BlockTable` of every row in the first layer group, the only one unless the model is a hybrid (do not
+        modify)."""
+        return [row.table for row in self.rows]
+
+    @property
+    def group_tables(self) -> list[list]:
+        """`group_tables[g][i]`: the `BlockTable` of row `i` in layer group `g` (see `layout`; do not modify)."""
+        return [[row.tables[group] for row in self.rows] for group in range(self.layout.num_groups)]
+
+    @property
+    def leading_pads(self) -> list[int]:
+        """Left-pad positions of every row, which hold no block slots."""
+        return [row.leading_pads for row in self.rows]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.planner.prefix_caching
+
+    def stop_prefix_caching(self) -> None:
+        """Stop addressing blocks by token ids, for good: no prefix lookups, and no block filled from now on is
+        indexed (the K/V of a forward with images, `inputs_embeds`, ... depend on more than the token ids)."""
+        self.planner.stop_prefix_caching()
+        for row in self.rows:
+            row.record(None)
+
+    def _cached_length(self) -> int:
+        """Padded positions cached once the current forward has written."""
+        return 0 if self._batch is None else self._batch.length
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Padded length of every row: before the running forward's first layer writes, the positions cached before
+        it (what transformers reads to place the new tokens and size the masks)."""
+        batch = self._batch
+        if batch is not None and not batch.layers_written:
+            return batch.past_length
+        return self._cached_length()
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.layers[layer_idx].get_mask_sizes(query_length)
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    # ------------------------------------------------------------------ the running forward
+    def run(self, batch: ForwardBatch) -> None:
+        """Run the next forward of the model on `batch` (planned by the caller with this cache's planner)."""
+        self._check_finished_forward()
+        self._batch = batch
+
+    def detach(self) -> None:
+        """Forget the current batch (its rows' owner frees their blocks)."""
+        self._batch = None
+
+    def prepare_forward(self, model: torch.nn.Module, inputs: ForwardInputs) -> None:
+        """Called by the forward pre-hook before each forward of `model` with its inputs."""
+        self._check_model(model)
+        batch = self._batch
+        if batch is None or batch.layers_written:
+            raise RuntimeError("BatchCache: no batch was given with run() for this forward")
+        if inputs.shape is not None and inputs.shape != (batch.batch_size, batch.num_new):
+            raise ValueError(
+                f"the forward's inputs have shape {inputs.shape} but its batch plans {batch.batch_size} row(s) x "
+                f"{batch.num_new} new position(s)"
+            )
+        if inputs.beyond_token_ids and self.prefix_caching:
+            self.stop_prefix_caching()
+        batch.reads_tables = inputs.reads_tables
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write layer `layer_idx`'s new K/V (`[batch, num_kv_heads, new positions, head_dim]`) through the running
+        forward's write slots; returns the new K/V under `"hf_paged"` attention, else the layer's K/V read densely."""
+        batch = self._batch_for(layer_idx, key_states)
+        unread = batch.unread_layer(layer_idx, len(self.layers))
+        if unread is not None:
+            raise self._unread_error(unread)
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized:
+            layer.lazy_initialization(key_states, value_states)
+        storage = self.pool.storage
+        batch.write(storage, layer_idx, key_states, value_states)
+        if batch.is_complete(len(self.layers)) and self.prefix_caching:
+            # every layer wrote: the full blocks can be found by others (deduplicated at the next planning)
+            self.pool.index_full_blocks(batch.rows, self.planner.roots, share=False)
+        if batch.reads_tables:
+            return key_states, value_states
+        return batch.read(storage, layer_idx)
+
+    def read_layer(self, layer_idx: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of `layer_idx` (default: the layer that wrote last) for every padded position it attends to, gathered
+        through the block tables: `[batch, num_kv_heads, length, head_dim]`."""
+        batch = self._batch
+        if batch is None or batch.last_layer is None:
+            raise RuntimeError("read_layer called before any update in this forward")
+        return batch.read(self.pool.storage, batch.last_layer if layer_idx is None else layer_idx)
+
+    def reads_tables_in_attention(self) -> bool:
+        return self._batch is not None and self._batch.reads_tables
+
+    def dense_layer(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A copy of layer `layer_idx`'s K/V laid out as transformers' dynamic layers hold them:
+        `[batch, num_kv_heads, length, head_dim]` over the padded positions (a sliding-window layer: its last
+        `sliding_window - 1`), left-pad positions zero (they are never stored). `(None, None)` while no token is
+        cached. For inspection (`cache.layers[i].keys`); the pages themselves are not changed."""
+        length = self._cached_length()
+        storage = self.pool.storage
+        rows = self.rows
+        if not rows or length == 0 or not storage.has_layer(layer_idx):
+            return None, None
+        device = storage.device_of(layer_idx)
+        tables = [row.tables[self.layout.group_of[layer_idx]] for row in rows]
+        pads = [row.leading_pads for row in rows]
+        addressing = address_tables(tables, pads, self.pool.block_size, length, 0, device)
+        first = self.layout.first_read(layer_idx, length)
+        keys, values = storage.gather(layer_idx, addressing.slot_map[:, first:])
+        position = torch.arange(first, length, device=device)
+        stored = (position[None, :] >= torch.tensor(pads, device=device)[:, None])[:, None, :, None]
+        return keys.where(stored, 0), values.where(stored, 0)
+
+    # ------------------------------------------------------------------ checks
+    def _batch_for(self, layer_idx: int, key_states: torch.Tensor) -> ForwardBatch:
+        """The batch layer `layer_idx` writes through."""
+        batch = self._batch
+        if batch is None or layer_idx in batch.layers_written:
+            raise RuntimeError(f"BatchCache: layer {layer_idx} wrote with no batch given with run() for this forward")
+        return batch
+
+    def _check_finished_forward(self) -> None:
+        """Refuse to start a forward while the last complete one left a layer unread (see `_unread_error`), and
+        learn how many layers write in one forward."""
+        batch = self._batch
+        if batch is None:
+            return
+        unread = batch.unread_layer(None, len(self.layers))
+        if unread is not None:
+            raise self._unread_error(unread)
+        self._layers_per_forward = max(self._layers_per_forward, len(batch.layers_written))
+
+    def _unread_error(self, layer_idx: int) -> NotImplementedError:
+        return NotImplementedError(
+            f"{self._model_name}: layer {layer_idx} stored its K/V in the paged cache but its attention did not read "
+            "them back through the block tables (the model does not route that attention through the 'hf_paged' "
+            "attention function), so it would have attended to the new tokens only. Generate with "
+            "cache_config={'attn_implementation': 'sdpa'} (or 'eager') to read dense K/V instead."
+        )
+
+    def _check_model(self, model: torch.nn.Module) -> None:
+        owner = self._model_ref()
+        if owner is not model:
+            raise ValueError(
+                f"this {type(self).__name__} was built for a {self._model_name} (id {id(owner):#x}) and cannot be "
+                f"used with a {type(model).__name__} (id {id(model):#x}); build one per model"
+            )

@@ -1,0 +1,232 @@
+"""`ForwardPlanner`: the one place that takes blocks for a forward and turns the rows' block tables into the
+`ForwardBatch` the model's layers write and read through."""
+
+from __future__ import annotations
+
+import torch
+
+from .batch import ForwardBatch, ForwardInputs, address_tables, extend_addressing
+from .config import PagedCacheConfig
+from .groups import KVLayout, layer_windows
+from .pool import BlockPool, get_pool
+from .prefix import group_roots, prefix_namespace, root_hash
+from .rows import Row
+from .support import check_supported
+
+
+class ForwardPlanner:
+    """Plans forwards over one `BlockPool`: before a forward runs it gives back the blocks sliding windows skipped,
+    indexes full blocks for prefix caching, takes the blocks of the new tokens (all or nothing, copy-on-write copies
+    carried out) and addresses them. `PagedCache` plans each `generate` forward with it in the forward pre-hook; the
+    Engine's `Scheduler` decides and takes blocks with it in one call, so what it decides is what runs.
+
+    Args:
+        pool (`BlockPool`): the model's pool.
+        layout (`KVLayout`): the model's layer groups; the only source of the windows by which rows skip blocks.
+        root (`bytes`, *optional*): the prefix-cache namespace (`prefix.root_hash` of the model).
+        prefix_caching (`bool`): whether blocks are addressed by content (needs `root`).
+
+    Example:
+
+    ```python
+    >>> from hf_paged.groups import KVLayout
+    >>> from hf_paged.pool import BlockPool
+    >>> pool = BlockPool(num_blocks=8, block_size=4)
+    >>> planner = ForwardPlanner(pool, KVLayout.for_windows([None, None]))
+    >>> rows = pool.new_rows(2, num_groups=1, track_tokens=False)
+    >>> batch = planner.plan_step(rows, [5, 3])     # right-aligned: row 1 gets 2 left pads
+    >>> batch.past_length, batch.num_new, batch.leading_pads, [row.table.block_ids for row in rows]
+    (0, 5, [0, 2], [[0, 1], [2]])
+    >>> pool.free_rows(rows)
+
+    ```
+    """
+
+    def __init__(self, pool: BlockPool, layout: KVLayout, root: bytes | None = None, prefix_caching: bool = True):
+        self.pool = pool
+        self.layout = layout
+        self.root = root
+        self.roots: list[bytes] | None = None  # every layer group's chain root; None: no prefix caching
+        if prefix_caching and root is not None:
+            self.roots = group_roots(root, layout.num_groups)
+        self._previous: ForwardBatch | None = None
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, config: PagedCacheConfig) -> ForwardPlanner:
+        """The planner of `model`'s pool (created on first use, see `get_pool`) under `config`."""
+        check_supported(model)
+        pool = get_pool(model, config=config)
+        windows = layer_windows(model, model.config.get_text_config(decoder=True))
+        layout = pool.layout
+        if layout is None or len(layout.group_of) != len(windows):
+            layout = KVLayout.for_windows(windows, split=False)
+        return cls(pool, layout, root_hash(prefix_namespace(model)), config.resolved_prefix_caching)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def prefix_caching(self) -> bool:
+        return self.roots is not None
+
+    def stop_prefix_caching(self) -> None:
+        """No prefix lookups and no indexing from now on."""
+        self.roots = None
+
+    def refresh_root(self, model: torch.nn.Module) -> bytes:
+        """Recompute `root` from `model` as it is now (its weights may have been trained since)."""
+        self.root = root_hash(prefix_namespace(model))
+        if self.roots is not None:
+            self.roots = group_roots(self.root, self.layout.num_groups)
+        return self.root
+
+    def forget_previous(self) -> None:
+        """The rows' tables changed other than by appending (reorder, truncation): the next forward is addressed
+        from scratch."""
+        self._previous = None
+
+    # ------------------------------------------------------------------ blocks
+    def prepare(self, rows: list[Row]) -> None:
+        """Before deciding what the next forward takes: put the rows' full blocks into the prefix index (every
+        layer has written them) and give back the blocks their windows skipped from their next token on."""
+        changed = self.roots is not None and self.pool.index_full_blocks(rows, self.roots)
+        if self.pool.free_skipped(rows, self.layout.windows) or changed:
+            self._previous = None
+
+    def blocks_needed(self, rows: list[Row], counts: list[int]) -> int:
+        """Free blocks taking `counts[i]` more tokens in every table of `rows[i]` would use now."""
+        return self.pool.blocks_needed(_appends(rows, counts))
+
+    def take(self, rows: list[Row], counts: list[int], what: str | None = None, keep_free: int = 0) -> int:
+        """Take the blocks of `counts[i]` more tokens in every table of `rows[i]`: all of them or
+        (`PoolExhaustedError`) none, leaving `keep_free` blocks free. Returns the blocks copied on write."""
+        copies = self.pool.take_blocks(_appends(rows, counts), what, keep_free)
+        if copies:
+            self._previous = None
+        return copies
+
+    def admit(self, row: Row, num_new: int, chunk: int, keep_free: int = 0) -> int:
+        """Take the blocks of the first `chunk` of a prompt's `num_new` uncomputed tokens for `row`, only if the pool
+        also holds the rest of the prompt in the groups that keep every block (sliding groups give blocks back
+        between chunks) and `keep_free` more; else `PoolExhaustedError`, nothing taken."""
+        rest = 0
+        if chunk < num_new:
+            whole = [(table, num_new if window is None else chunk) for table, window in zip(row.tables, self._windows)]
+            rest = self.pool.blocks_needed(whole) - self.pool.blocks_needed(row.appends(chunk))
+        what = f"a prompt of {num_new} token(s)" if chunk == num_new else f"a prompt chunk of {chunk} token(s)"
+        return self.take([row], [chunk], what=what, keep_free=keep_free + rest)
+
+    def blocks_to_run(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks a request of `num_tokens` tokens holds at once on its way to its next token, prefilled in
+        chunks of at most `chunk`: every block in a group that keeps its blocks; in a sliding group, at most its
+        window and one chunk (skipped blocks go back before each forward)."""
+        size = self.pool.block_size
+        total = 0
+        for window in self._windows:
+            blocks = -(-(num_tokens + 1) // size)
+            if window is not None:
+                blocks = min(blocks, -(-(window - 1 + chunk) // size) + 1)
+            total += blocks
+        return total
+
+    def never_fits(self, num_tokens: int, chunk: int) -> str | None:
+        """Why a request of `num_tokens` tokens can never run in this pool (`blocks_to_run` exceeds the whole
+        pool), or `None`."""
+        blocks = self.blocks_to_run(num_tokens, chunk)
+        if blocks <= self.pool.num_blocks:
+            return None
+        groups = "" if self.layout.num_groups == 1 else f" over its {self.layout.num_groups} layer groups"
+        return (
+            f"the request needs {blocks} blocks of {self.pool.block_size} tokens{groups} for its {num_tokens} tokens "
+            f"and the next one, but the whole pool has {self.pool.num_blocks} blocks"
+        )
+
+    @property
+    def _windows(self) -> list[int | None]:
+        return self.layout.windows
+
+    # ------------------------------------------------------------------ forwards
+    def plan_step(
+        self,
+        rows: list[Row],
+        new_tokens: list[int],
+        token_ids: list[list[int]] | None = None,
+        taken: bool = False,
+        device: torch.device | str = "cpu",
+    ) -> ForwardBatch:
+        """The forward of `rows`, row `i` storing `new_tokens[i]` new tokens (`token_ids[i]`, for the prefix index),
+        right-aligned: its padded length is `max(row tokens + new tokens)` and it computes the last
+        `max(new_tokens)` positions; positions a row already holds inside that window are recomputed but not
+        written again. Takes the blocks first unless `taken` (the caller took them with `take`/`admit`)."""
+        if not rows or len(rows) != len(new_tokens) or min(new_tokens) < 1:
+            raise ValueError(
+                f"a forward needs one positive new-token count per row, got {len(rows)} row(s) and {new_tokens}"
+            )
+        totals = [row.num_tokens + (0 if taken else count) for row, count in zip(rows, new_tokens)]
+        copies = 0 if taken else self.take(rows, new_tokens, what=f"a forward of {len(rows)} row(s)")
+        length, num_new = max(totals), max(new_tokens)
+        for index, (row, total) in enumerate(zip(rows, totals)):
+            row.leading_pads = length - total
+            if row.tokens is not None:
+                row.record(None if token_ids is None else token_ids[index])
+        return self.address(rows, length - num_new, num_new, new_tokens, None, copies, device)
+
+    def address(
+        self,
+        rows: list[Row],
+        past_length: int,
+        num_new: int,
+        stores: list[int],
+        writers: list[bool] | None,
+        num_copies: int,
+        device: torch.device | str,
+        reads_tables: bool = False,
+    ) -> ForwardBatch:
+        """The `ForwardBatch` of rows whose blocks for this forward are taken: each computes the last `num_new` of
+        its `past_length + num_new` padded positions and stores the last `stores[i]` of them (not at all where
+        `writers[i]` is False: a duplicate of another row). The previous forward's slot maps are extended when only
+        appends happened since."""
+        pads = [row.leading_pads for row in rows]
+        previous = self._previous
+        appended_only = (
+            previous is not None
+            and not num_copies
+            and writers is None
+            and min(stores) == num_new
+            and previous.length == past_length
+            and previous.leading_pads == pads
+            and len(previous.rows) == len(rows)
+            and all(old is new for old, new in zip(previous.rows, rows))
+        )
+        size, length = self.pool.block_size, past_length + num_new
+        addressing = []
+        for group in range(self.layout.num_groups):  # one slot map per layer group, used by its layers
+            tables = [row.tables[group] for row in rows]
+            if appended_only:
+                addressing.append(extend_addressing(previous.groups[group], tables, size, num_new))
+            else:
+                addressing.append(address_tables(tables, pads, size, length, num_new, device, stores, writers))
+        batch = ForwardBatch(list(rows), addressing, self.layout, past_length, num_new, reads_tables, num_copies, pads)
+        self._previous = batch
+        return batch
+
+
+def _appends(rows: list[Row], counts: list[int]) -> list:
+    return [append for row, count in zip(rows, counts) for append in row.appends(count)]
+
+
+def duplicate_row_leaders(inputs: ForwardInputs, batch: int, num_new: int) -> list[int] | None:
+    """For each row, the first row with the same new tokens, mask and positions; `None` when all rows differ or the
+    inputs are unknown (e.g. `inputs_embeds`). `generate` repeats every prompt `num_beams` / `num_return_sequences`
+    times before prefill: those rows then share one copy of the prompt's blocks."""
+    input_ids = inputs.input_ids
+    if batch < 2 or input_ids is None or input_ids.dim() != 2 or input_ids.shape != (batch, num_new):
+        return None
+    parts = [input_ids]
+    for extra in (inputs.attention_mask, inputs.position_ids):
+        if extra is not None and extra.dim() == 2 and extra.shape[0] == batch:
+            parts.append(extra[:, -num_new:].to(input_ids.device, input_ids.dtype))
+    keys = torch.cat(parts, dim=1)
+    _, group = torch.unique(keys, dim=0, return_inverse=True)
+    first = torch.full((int(group.max()) + 1,), batch, dtype=torch.long, device=group.device)
+    first.scatter_reduce_(0, group, torch.arange(batch, device=group.device), reduce="amin")
+    leaders = first[group].tolist()
+    return None if leaders == list(range(batch)) else leaders
