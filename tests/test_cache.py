@@ -170,25 +170,51 @@ def test_encoder_decoder_models_are_refused():
         PagedCache(t5)
 
 
-def test_a_forward_that_fails_midway_is_forgotten_by_the_next_one(model):
+def break_layer(model, error: BaseException):
+    """Make the attention of decoder layer 1 raise `error` (undone by `del attention.forward`)."""
+    broken = model.model.layers[1].self_attn
+
+    def boom(*args, **kwargs):
+        raise error
+
+    broken.forward = boom
+    return broken
+
+
+def test_a_forward_that_fails_midway_is_taken_back_at_once(model):
     prompt = torch.randint(3, 128, (2, 9))
     reference = model.generate(input_ids=prompt, max_new_tokens=6, pad_token_id=0)
     cache = PagedCache(model, block_size=4)
     with torch.no_grad():
         model(input_ids=prompt[:, :5], past_key_values=cache)
-    broken = model.model.layers[1].self_attn
-
-    def boom(*args, **kwargs):
-        raise RuntimeError("layer 1 failed")
-
-    broken.forward = boom
+    broken = break_layer(model, RuntimeError("layer 1 failed"))
     try:
         with pytest.raises(RuntimeError, match="layer 1 failed"):
             with torch.no_grad():
                 model(input_ids=prompt[:, 5:], past_key_values=cache)  # layer 0 wrote 4 tokens, layer 1 none
     finally:
         del broken.forward
-    assert cache.get_seq_length() == 9  # the failed forward's tokens are still counted ...
+    assert cache.get_seq_length() == 5  # the forward hook saw the exception: its tokens are gone already
+    paged = model.generate(input_ids=prompt, max_new_tokens=6, pad_token_id=0, past_key_values=cache)
+    assert torch.equal(reference, paged)
+    cache.release()
+    get_pool(model).check_invariants()
+
+
+def test_a_forward_interrupted_midway_is_forgotten_by_the_next_one(model):
+    prompt = torch.randint(3, 128, (2, 9))
+    reference = model.generate(input_ids=prompt, max_new_tokens=6, pad_token_id=0)
+    cache = PagedCache(model, block_size=4)
+    with torch.no_grad():
+        model(input_ids=prompt[:, :5], past_key_values=cache)
+    broken = break_layer(model, KeyboardInterrupt())  # torch runs no forward hook for it
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with torch.no_grad():
+                model(input_ids=prompt[:, 5:], past_key_values=cache)  # layer 0 wrote 4 tokens, layer 1 none
+    finally:
+        del broken.forward
+    assert cache.get_seq_length() == 9  # the interrupted forward's tokens are still counted ...
     paged = model.generate(input_ids=prompt, max_new_tokens=6, pad_token_id=0, past_key_values=cache)
     assert torch.equal(reference, paged)  # ... until the next forward drops them and recomputes
     cache.release()
