@@ -476,7 +476,9 @@ class PagedCache(BatchCache):
         if written == 0 or written < expected:
             if written:
                 logger.warning(
-                    "hf_paged: the last forward stopped after %d of %d layers; its tokens are dropped", written, expected
+                    "hf_paged: the last forward stopped after %d of %d layers; its tokens are dropped",
+                    written,
+                    expected,
                 )
             self._drop_batch()
             return

@@ -6,7 +6,7 @@ import logging
 import os
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -15,22 +15,27 @@ from .config import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_FRACTION, DEFAULT_M
 from .groups import KVLayout, layer_kv_shapes
 from .rows import Row
 from .storage import KVStorage
+from .tensor_parallel import local_kv_shapes, tensor_parallel_placement
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class KVShape:
-    """What one token costs in the KV cache of a model.
+    """What one token costs in the KV cache of a model, on this process: a rank of a tensor-parallel model stores
+    only its share of the KV heads, and every count here is that share.
 
     Attributes:
         num_layers (`int`): decoder layers.
-        num_kv_heads, head_dim (`int`): of every layer (of the first, when `layer_kv` lists them layer by layer).
+        num_kv_heads, head_dim (`int`): of every layer (of the first, when `layer_kv` lists them layer by layer);
+            `num_kv_heads` counts the heads this rank stores (also readable as `kv_heads_local`).
         dtype (`torch.dtype`): of the K/V.
         layers_per_block (`int`, *optional*): lanes (layers) of one block, fewer than `num_layers` when a hybrid
             model's layers are split into layer groups (see `KVLayout`).
         layer_kv (`tuple[tuple[int, int], ...]`, *optional*): `(num_kv_heads, head_dim)` of every layer, for models
             whose layers differ.
+        tp_rank, tp_world_size (`int`): this process's rank in the model's tensor-parallel group and the group's
+            size (0 and 1 without tensor parallelism).
     """
 
     num_layers: int
@@ -39,6 +44,13 @@ class KVShape:
     dtype: torch.dtype
     layers_per_block: int | None = None
     layer_kv: tuple[tuple[int, int], ...] | None = None
+    tp_rank: int = 0
+    tp_world_size: int = 1
+
+    @property
+    def kv_heads_local(self) -> int:
+        """KV heads this rank stores per layer (of the first layer when layers differ)."""
+        return self.num_kv_heads
 
     @property
     def bytes_per_token(self) -> int:
@@ -61,13 +73,41 @@ class KVShape:
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, layers_per_block: int | None = None) -> KVShape:
+        """The KV cost of `model` on this process; under transformers' tensor parallelism (`tp_plan="auto"`), of
+        the KV heads this rank's key projections actually hold.
+
+        Raises:
+            ValueError: the model's tensor-parallel degree does not divide a layer's KV heads.
+
+        Example:
+
+        ```python
+        >>> from hf_paged.reference_models import tiny_model
+        >>> shape = KVShape.from_model(tiny_model("llama"))
+        >>> shape.kv_heads_local, shape.tp_rank, shape.tp_world_size, shape.bytes_per_token
+        (2, 0, 1, 512)
+
+        ```
+        """
         config = model.config.get_text_config(decoder=True)
-        shapes = layer_kv_shapes(config)
+        placement = tensor_parallel_placement(model)
+        shapes = local_kv_shapes(layer_kv_shapes(config), placement)
         dtype = next(model.parameters()).dtype
         if not dtype.is_floating_point:
             dtype = torch.get_default_dtype()
         layer_kv = tuple(shapes) if len(set(shapes)) > 1 else None
-        return cls(len(shapes), *shapes[0], dtype, layers_per_block, layer_kv)
+        return cls(len(shapes), *shapes[0], dtype, layers_per_block, layer_kv, placement.rank, placement.world_size)
+
+
+@dataclass(frozen=True)
+class PoolStats(AllocatorStats):
+    """`AllocatorStats` of a pool, with where the pool lives: `tp_rank` and `tp_world_size` of the model's
+    tensor-parallel group (0 and 1 without one) and `kv_heads_local`, the KV heads per layer this rank's blocks hold
+    (`None` for a pool built without a model). Block counts are this rank's; every rank's are the same."""
+
+    tp_rank: int = 0
+    tp_world_size: int = 1
+    kv_heads_local: int | None = None
 
 
 class BlockPool:
@@ -120,8 +160,28 @@ class BlockPool:
     def num_free(self) -> int:
         return self.allocator.num_free
 
-    def stats(self) -> AllocatorStats:
-        return self.allocator.stats()
+    @property
+    def tp_rank(self) -> int:
+        """This process's rank in the model's tensor-parallel group (0 without tensor parallelism)."""
+        return self.kv_shape.tp_rank if self.kv_shape is not None else 0
+
+    @property
+    def tp_world_size(self) -> int:
+        """Processes sharing the model's heads (1 without tensor parallelism)."""
+        return self.kv_shape.tp_world_size if self.kv_shape is not None else 1
+
+    @property
+    def kv_heads_local(self) -> int | None:
+        """KV heads per layer this rank's blocks hold (`None` for a pool built without a model)."""
+        return self.kv_shape.kv_heads_local if self.kv_shape is not None else None
+
+    def stats(self) -> PoolStats:
+        """The allocator's `AllocatorStats`, as a `PoolStats` that also says which rank's pool this is."""
+        snapshot = self.allocator.stats()
+        counts = {field.name: getattr(snapshot, field.name) for field in fields(AllocatorStats)}
+        return PoolStats(
+            **counts, tp_rank=self.tp_rank, tp_world_size=self.tp_world_size, kv_heads_local=self.kv_heads_local
+        )
 
     # ------------------------------------------------------------------ verbs over rows (each one atomic)
     def new_rows(self, count: int, num_groups: int, track_tokens: bool = True) -> list[Row]:
@@ -313,12 +373,16 @@ def get_pool(model: torch.nn.Module, **cache_config) -> BlockPool:
             )
         pool = BlockPool(num_blocks, block_size, kv_shape, layout)
         logger.info(
-            "hf_paged: pool of %d blocks x %d tokens (%.1f MiB of KV, %d layer group(s)) for %s",
+            "hf_paged: pool of %d blocks x %d tokens (%.1f MiB of KV, %d layer group(s), %d KV heads) for %s%s",
             num_blocks,
             block_size,
             num_blocks * block_size * kv_shape.bytes_per_block_token / 2**20,
             layout.num_groups,
+            kv_shape.kv_heads_local,
             type(model).__name__,
+            f" on tensor-parallel rank {kv_shape.tp_rank} of {kv_shape.tp_world_size}"
+            if kv_shape.tp_world_size > 1
+            else "",
         )
         _pools[model] = pool
         return pool

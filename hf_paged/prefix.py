@@ -38,15 +38,27 @@ class _WeightSample:
 _weight_samples: weakref.WeakKeyDictionary[torch.nn.Module, _WeightSample] = weakref.WeakKeyDictionary()
 
 
+def _local_shard(parameter: torch.Tensor) -> torch.Tensor:
+    """This process's part of `parameter`: the local shard of a tensor-parallel `DTensor` (a tensor sharing its
+    storage and version counter), else the parameter itself."""
+    to_local = getattr(parameter, "to_local", None)
+    if to_local is None:
+        return parameter
+    with torch.no_grad():
+        return to_local()
+
+
 def weights_key(model: torch.nn.Module) -> str:
     """What tells this model's weights apart from their earlier values, at a cost of under a millisecond for a
     135M-parameter model on a CPU: the sum of the parameters' tensor versions (every in-place update through autograd's
     view of a parameter: optimizer steps, `torch.no_grad()` edits, `load_state_dict`) and a digest of a fixed
     sample of every parameter's values, which catches writes that bypass the version counter (`.data` edits such
     as PEFT's `merge_and_unload`, tensors swapped in with `param.data = ...`). An edit through `.data` of a few
-    elements that the sample does not cover escapes both: call `BlockPool.clear_prefix_cache()` after one.
+    elements that the sample does not cover escapes both: call `BlockPool.clear_prefix_cache()` after one. A model
+    sharded by tensor parallelism is read through each rank's own shard (no communication), so ranks' keys differ
+    while their hits and misses agree as long as every rank's weights change together.
     """
-    parameters = list(model.parameters())
+    parameters = [_local_shard(parameter) for parameter in model.parameters()]
     addresses = [parameter.data_ptr() for parameter in parameters]
     sample = _weight_samples.get(model)
     if sample is None or sample.addresses != addresses:
