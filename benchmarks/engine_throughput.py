@@ -15,6 +15,12 @@ each request actually received).
 Peak KV is the most KV memory held at once: the Engine's peak blocks, the largest static batch's DynamicCache, and the
 preallocated cache of `generate_batch`.
 
+Engine-only columns: "pad share" is the share of the positions its forwards computed that were pads
+(`EngineStats.pad_share`); "wall / ceiling" compares its wall time with the **ceiling**: the same run's bare model
+forwards (no cache, `use_cache=False`) over exactly the input shapes the Engine's forwards had, in the same order,
+timed after the Engine run, so the ratio is the Engine's own overhead (scheduling, block bookkeeping, paged reads
+and writes, sampling).
+
 Usage: python benchmarks/engine_throughput.py [--model tiny|smollm2] [--requests 200] [--budget-tokens 8192]
        [--systems engine static generate_batch]
 """
@@ -44,19 +50,47 @@ def workload(num_requests: int, scale: float, max_length: int, vocab_size: int, 
     return requests
 
 
+def record_shapes(model) -> tuple[list, object]:
+    """`(shapes, hook)`: the `input_ids` shape of every forward of `model` from now on, until `hook.remove()`."""
+    shapes = []
+
+    def record(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        shapes.append(tuple(ids.shape))
+
+    return shapes, model.register_forward_pre_hook(record, with_kwargs=True)
+
+
+def ceiling_seconds(model, shapes: list[tuple[int, int]], vocab_size: int) -> float:
+    """Bare forwards (no cache) over `shapes`, in order: the model's own cost of the Engine's inputs."""
+    generator = torch.Generator().manual_seed(1)
+    inputs = [torch.randint(3, vocab_size, shape, generator=generator) for shape in shapes]
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for input_ids in inputs:
+            model(input_ids=input_ids, use_cache=False)
+    return time.perf_counter() - start
+
+
 def run_engine(model, requests, budget_tokens: int, block_size: int):
     engine = hf_paged.Engine(model, block_size=block_size, num_blocks=budget_tokens // block_size, progress=False)
     params = [hf_paged.SamplingParams(max_new_tokens=n, eos_token_id=()) for _, n in requests]
+    shapes, hook = record_shapes(model)
     start = time.perf_counter()
     outputs = engine.generate([p for p, _ in requests], params)
     elapsed = time.perf_counter() - start
+    hook.remove()
+    ceiling = ceiling_seconds(model, shapes, model.config.vocab_size)
     stats = engine.last_stats
+    waste = f"{stats.pad_share:.1%}"
+    kinds = f"{stats.prefill_steps} prefill, {stats.decode_steps} decode, {stats.mixed_steps} mixed steps"
     extra = (
-        f"{stats.preemptions} preemptions, {stats.decode_steps} decode steps, peak {stats.peak_blocks} blocks, "
+        f"{stats.preemptions} preemptions, {kinds}, peak {stats.peak_blocks} blocks, "
         f"{elapsed / max(stats.num_steps, 1) * 1e3:.2f} ms/step"
     )
     engine.close()
-    return elapsed, sum(len(o.token_ids) for o in outputs), stats.peak_blocks * block_size, extra
+    generated = sum(len(o.token_ids) for o in outputs)
+    return elapsed, generated, stats.peak_blocks * block_size, extra, waste, f"{elapsed / ceiling:.2f}x"
 
 
 def static_batches(requests, budget_tokens: int) -> list[list[tuple[list[int], int]]]:
@@ -94,7 +128,7 @@ def run_static(model, requests, budget_tokens: int, pad_token_id: int = 0):
         peak = max(peak, len(batch) * (width + new))
     elapsed = time.perf_counter() - start
     sizes = [len(b) for b in batches]
-    return elapsed, generated, peak, f"{len(batches)} batches of {min(sizes)}-{max(sizes)}"
+    return elapsed, generated, peak, f"{len(batches)} batches of {min(sizes)}-{max(sizes)}", "-", "-"
 
 
 def run_generate_batch(model, requests, budget_tokens: int, page_size: int):
@@ -113,7 +147,8 @@ def run_generate_batch(model, requests, budget_tokens: int, page_size: int):
             elif result is None and not manager.is_running():
                 raise RuntimeError("transformers' continuous batching stopped early")
     elapsed = time.perf_counter() - start
-    return elapsed, sum(len(r.generated_tokens) for r in results.values()), budget_tokens, "preallocated cache"
+    generated = sum(len(r.generated_tokens) for r in results.values())
+    return elapsed, generated, budget_tokens, "preallocated cache", "-", "-"
 
 
 def main() -> None:
@@ -146,16 +181,20 @@ def main() -> None:
     }
     runs = {label: run() for key, (label, run) in systems.items() if key in args.systems}
     baseline = runs.get("stock generate, static batches")
+    batching = runs.get("transformers generate_batch")
     rows = []
-    for name, (elapsed, generated, peak_tokens, notes) in runs.items():
+    for name, (elapsed, generated, peak_tokens, notes, pad_share, versus_ceiling) in runs.items():
         tokens_per_s = generated / elapsed
         rows.append(
             [
                 name,
                 f"{tokens_per_s:,.0f}",
                 "-" if baseline is None else f"{tokens_per_s / (baseline[1] / baseline[0]):.2f}x",
+                "-" if batching is None else f"{tokens_per_s / (batching[1] / batching[0]):.2f}x",
                 f"{elapsed:.1f}",
                 f"{peak_tokens * bytes_per_token / 2**20:.1f}",
+                pad_share,
+                versus_ceiling,
                 notes,
             ]
         )
@@ -167,7 +206,18 @@ def main() -> None:
         f"output {min(outputs)}-{max(outputs)} (mean {sum(outputs) / len(outputs):.0f}) tokens; KV budget "
         f"{args.budget_tokens} tokens = {args.budget_tokens * bytes_per_token / 2**20:.1f} MiB\n"
     )
-    print(markdown_table(["system", "tokens/s", "vs static", "wall s", "peak KV MiB", "notes"], rows))
+    headers = [
+        "system",
+        "tokens/s",
+        "vs static",
+        "vs generate_batch",
+        "wall s",
+        "peak KV MiB",
+        "pad share",
+        "wall / ceiling",
+        "notes",
+    ]
+    print(markdown_table(headers, rows))
 
 
 if __name__ == "__main__":

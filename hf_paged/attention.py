@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
 
 from .config import ATTENTION_NAME
 from .forward import bound_paged_cache
 
-__all__ = ["ATTENTION_NAME", "eager_paged_attention", "paged_attention_forward"]
+__all__ = ["ATTENTION_NAME", "eager_paged_attention", "paged_attention_forward", "paged_attention_mask"]
 
 
 def _repeat_kv(hidden: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -103,7 +104,28 @@ def paged_attention_forward(
     if paged_cache is None:
         paged_cache = bound_paged_cache()
     if paged_cache is not None and paged_cache.reads_tables_in_attention():
-        key, value = paged_cache.read_layer(getattr(module, "layer_idx", None))
+        layer_idx = getattr(module, "layer_idx", None)
+        packed = paged_cache.packed_rows()
+        key, value = paged_cache.read_layer(layer_idx)
+        if packed is not None:
+            return _packed_attention(
+                module,
+                query,
+                key,
+                value,
+                packed,
+                paged_cache.layer_window(layer_idx),
+                scaling,
+                dropout,
+                softcap,
+                s_aux,
+                **kwargs,
+            )
+    return _attention(module, query, key, value, attention_mask, scaling, dropout, softcap, s_aux, **kwargs)
+
+
+def _attention(module, query, key, value, attention_mask, scaling, dropout, softcap, s_aux, **kwargs):
+    """SDPA (transformers' own) over `key`/`value`, or plain torch ops where SDPA cannot express the call."""
     num_heads, num_kv_heads = query.shape[1], key.shape[1]
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
@@ -116,3 +138,35 @@ def paged_attention_forward(
     if n_rep > 1 and getattr(module, "num_key_value_groups", None) != n_rep:
         key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _packed_attention(module, query, key, value, packed, window, scaling, dropout, softcap, s_aux, **kwargs):
+    """Attention of a packed forward: `query` is `[1, heads, T, head_dim]` (every row's new tokens one after
+    another), `key`/`value` are `[rows, kv_heads, length, head_dim]` read through each row's table. Each query group
+    (`PackedRows.groups`) lays its rows' queries out as `[rows, heads, width, head_dim]`, attends to those rows' keys
+    under its mask, and its outputs go back to their packed places: `[1, T, heads, head_dim]`."""
+    num_heads, head_dim = query.shape[1], query.shape[-1]
+    output = query.new_empty(query.shape[2], num_heads, head_dim)
+    whole = len(packed.groups) == 1
+    for group in packed.groups:
+        rows, width = group.rows.numel(), group.width
+        per_row = query[0].index_select(1, group.unpack_index).view(num_heads, rows, width, head_dim).transpose(0, 1)
+        keys = key if whole else key.index_select(0, group.rows)
+        values = value if whole else value.index_select(0, group.rows)
+        keys, values = keys[:, :, : group.key_length], values[:, :, : group.key_length]
+        out, _ = _attention(
+            module, per_row, keys, values, group.mask(window), scaling, dropout, softcap, s_aux, **kwargs
+        )
+        output.index_copy_(
+            0, group.token_index, out.reshape(rows * width, num_heads, head_dim).index_select(0, group.source_index)
+        )
+    return output[None], None
+
+
+def paged_attention_mask(*args, **kwargs):
+    """The mask function registered as `"hf_paged"` in `AttentionMaskInterface`: transformers' `sdpa_mask`, except
+    in a packed forward, whose attention builds each row's mask itself (`None` is returned, nothing is built)."""
+    cache = bound_paged_cache()
+    if cache is not None and cache.packed_rows() is not None:
+        return None
+    return sdpa_mask(*args, **kwargs)

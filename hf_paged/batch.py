@@ -71,6 +71,121 @@ class Addressing:
 
 
 @dataclass
+class QueryGroup:
+    """Rows of a packed forward whose queries attend together: `[rows, heads, width, head_dim]`, each row's spare
+    query slots repeating its last token.
+
+    Attributes:
+        rows (`torch.Tensor`): `[rows]` indices of the group's rows in the batch.
+        width (`int`): the most new tokens of a row in the group.
+        unpack_index (`torch.Tensor`): `[rows * width]` packed index of every query slot.
+        token_index (`torch.Tensor`): packed indices of the group's real tokens, in row order.
+        source_index (`torch.Tensor`): where each of those tokens sits in the `[rows * width]` layout.
+        query_positions (`torch.Tensor`): `[rows, width]` logical position of every query slot.
+        lengths (`torch.Tensor`): `[rows]` tokens of every row after this forward (its keys `0 .. length - 1`).
+        key_length (`int`): the longest row of the group: keys past it are not read.
+    """
+
+    rows: torch.Tensor
+    width: int
+    unpack_index: torch.Tensor
+    token_index: torch.Tensor
+    source_index: torch.Tensor
+    query_positions: torch.Tensor
+    lengths: torch.Tensor
+    key_length: int
+    _masks: dict = field(default_factory=dict)
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """Boolean `[rows, 1, width, key_length]`: query `j` of a row sees its row's keys up to its own position (the
+        last `window` of them for a sliding layer)."""
+        if window not in self._masks:
+            keys = torch.arange(self.key_length, device=self.lengths.device)[None, None, :]
+            queries = self.query_positions[:, :, None]
+            visible = (keys <= queries) & (keys < self.lengths[:, None, None])
+            if window is not None:
+                visible &= queries - keys < window
+            self._masks[window] = visible[:, None]
+        return self._masks[window]
+
+
+GROUPINGS = ("log2", "one", "rows")
+
+
+def _group_key(grouping: str, row: int, count: int) -> int:
+    if grouping == "one":
+        return 0
+    if grouping == "rows":
+        return row
+    return (count - 1).bit_length()  # "log2": widths within a factor of 2; every decoding row (1 token) together
+
+
+@dataclass
+class PackedRows:
+    """How the tokens of a packed forward (`[1, T]`: every row's new tokens one after another, no pad position)
+    belong to its rows, and how their queries are grouped for attention.
+
+    Rows are grouped by their number of new tokens (`grouping="log2"`: counts within a factor of 2 share a group, so
+    every decoding row is in one group and a long prompt chunk does not pad the decoding rows' queries to its
+    width); each group attends in one call over its rows' keys.
+
+    Attributes:
+        counts (`list[int]`): new tokens of every row, in row order (`T = sum(counts)`).
+        starts (`list[int]`): index of every row's first new token in the packed sequence.
+        groups (`list[QueryGroup]`): the query groups.
+    """
+
+    counts: list[int]
+    starts: list[int]
+    groups: list[QueryGroup]
+
+    @classmethod
+    def of(cls, pasts: list[int], counts: list[int], device, grouping: str = "log2") -> PackedRows:
+        """The packing of rows holding `pasts[i]` tokens before the forward and storing `counts[i]` new ones."""
+        if grouping not in GROUPINGS:
+            raise ValueError(f"grouping must be one of {GROUPINGS}, got {grouping!r}")
+        starts = [0]
+        for count in counts[:-1]:
+            starts.append(starts[-1] + count)
+        members: dict[int, list[int]] = {}
+        for row, count in enumerate(counts):
+            members.setdefault(_group_key(grouping, row, count), []).append(row)
+        groups = [cls._group(rows, pasts, counts, starts, device) for _, rows in sorted(members.items())]
+        return cls(counts, starts, groups)
+
+    @staticmethod
+    def _group(rows: list[int], pasts, counts, starts, device) -> QueryGroup:
+        width = max(counts[row] for row in rows)
+        slot = torch.arange(width, device=device)[None, :]
+        group_counts = torch.tensor([counts[row] for row in rows], device=device)[:, None]
+        last = torch.minimum(slot, group_counts - 1)  # spare query slots repeat the row's last token
+        unpack = torch.tensor([starts[row] for row in rows], device=device)[:, None] + last
+        token_index = torch.cat([torch.arange(starts[row], starts[row] + counts[row], device=device) for row in rows])
+        source = torch.cat([index * width + torch.arange(counts[row], device=device) for index, row in enumerate(rows)])
+        positions = torch.tensor([pasts[row] for row in rows], device=device)[:, None] + last
+        lengths = [pasts[row] + counts[row] for row in rows]
+        return QueryGroup(
+            torch.tensor(rows, device=device),
+            width,
+            unpack.reshape(-1),
+            token_index,
+            source,
+            positions,
+            torch.tensor(lengths, device=device),
+            max(lengths),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def last_token_index(self) -> torch.Tensor:
+        """`[rows]` packed index of every row's last new token (whose logits sample the row's next token)."""
+        return torch.tensor([start + count - 1 for start, count in zip(self.starts, self.counts)])
+
+
+@dataclass
 class ForwardBatch:
     """One forward of `rows`, planned once for all layers by `ForwardPlanner`: its blocks are taken (copy-on-write
     copies done) before the model runs. Every row computes the last `num_new` of its `length` padded positions.
@@ -85,6 +200,8 @@ class ForwardBatch:
             back only the new tokens.
         num_copies (`int`): blocks copied (copy-on-write) while planning it.
         leading_pads (`list[int]`): every row's left-pad positions (never stored).
+        packed (`PackedRows`, *optional*): set when the forward's tokens are packed into one `[1, T]` sequence
+            with no pad position (the Engine under `"hf_paged"` attention); rows then need no left padding.
         layers_written, layers_read (`set[int]`): the layers that wrote and read so far.
     """
 
@@ -96,6 +213,7 @@ class ForwardBatch:
     reads_tables: bool
     num_copies: int = 0
     leading_pads: list[int] = field(default_factory=list)
+    packed: PackedRows | None = None
     layers_written: set[int] = field(default_factory=set)
     layers_read: set[int] = field(default_factory=set)
     last_layer: int | None = None
@@ -108,6 +226,13 @@ class ForwardBatch:
     @property
     def batch_size(self) -> int:
         return len(self.rows)
+
+    @property
+    def input_shape(self) -> tuple[int, int]:
+        """`(batch, positions)` of the forward's inputs: `(1, T)` when packed."""
+        if self.packed is not None:
+            return 1, self.packed.num_tokens
+        return self.batch_size, self.num_new
 
     def write(self, storage: KVStorage, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Store layer `layer_idx`'s new K/V (`[batch, num_kv_heads, num_new, head_dim]`) in the planned slots."""
@@ -208,3 +333,33 @@ def extend_addressing(previous: Addressing, rows: list[BlockTable], block_size: 
     new_slots = torch.tensor(new, dtype=torch.long, device=previous.slot_map.device)
     slot_map = torch.cat([previous.slot_map, new_slots], dim=1)
     return Addressing(slot_map, new_slots.reshape(-1), None)
+
+
+def address_packed(tables: list[BlockTable], counts: list[int], block_size: int, device) -> Addressing:
+    """Addressing of a packed forward, from one layer group's block tables, whose rows just appended `counts[i]`
+    tokens each: `slot_map[b, p]` is the slot of logical position `p` of row `b` (no left pads; positions past the
+    row's end and positions its window skipped name its first live slot, hidden by the mask), and the write slots
+    follow the packed order of the new tokens."""
+    num_cols = max(len(t.block_ids) for t in tables)
+    skipped = [t.num_skipped for t in tables]
+    blocks = torch.tensor(
+        [
+            [t.block_ids[first]] * first + t.block_ids[first:] + [t.block_ids[first]] * (num_cols - len(t.block_ids))
+            for t, first in zip(tables, skipped)
+        ],
+        dtype=torch.long,
+        device=device,
+    )
+    length = max(t.num_tokens for t in tables)
+    logical = torch.arange(length, device=device)[None, :]
+    lengths = torch.tensor([t.num_tokens for t in tables], device=device)[:, None]
+    first_live = torch.tensor(skipped, dtype=torch.long, device=device)[:, None] * block_size
+    position = torch.where(logical < lengths, torch.maximum(logical, first_live), first_live)
+    slot_map = blocks.gather(1, position // block_size) * block_size + position % block_size
+    written = torch.cat(
+        [
+            row * length + torch.arange(t.num_tokens - count, t.num_tokens, device=device)
+            for row, (t, count) in enumerate(zip(tables, counts))
+        ]
+    )
+    return Addressing(slot_map, slot_map.reshape(-1).index_select(0, written), None)

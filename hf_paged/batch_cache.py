@@ -153,11 +153,12 @@ class BatchCache(Cache, ForwardBoundCache):
         batch = self._batch
         if batch is None or batch.layers_written:
             raise RuntimeError("BatchCache: no batch was given with run() for this forward")
-        if inputs.shape is not None and inputs.shape != (batch.batch_size, batch.num_new):
+        if inputs.shape is not None and inputs.shape != batch.input_shape:
             raise ValueError(
-                f"the forward's inputs have shape {inputs.shape} but its batch plans {batch.batch_size} row(s) x "
-                f"{batch.num_new} new position(s)"
+                f"the forward's inputs have shape {inputs.shape} but its batch plans inputs of {batch.input_shape}"
             )
+        if batch.packed is not None and not inputs.reads_tables:
+            raise ValueError("a packed batch needs the 'hf_paged' attention, which reads each row through its table")
         if inputs.beyond_token_ids and self.prefix_caching:
             self.stop_prefix_caching()
         batch.reads_tables = inputs.reads_tables
@@ -191,6 +192,14 @@ class BatchCache(Cache, ForwardBoundCache):
 
     def reads_tables_in_attention(self) -> bool:
         return self._batch is not None and self._batch.reads_tables
+
+    def packed_rows(self):
+        """The `PackedRows` of the running forward when its tokens are packed (no pad position), else `None`."""
+        return None if self._batch is None else self._batch.packed
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The attention window of layer `layer_idx` (`None`: full attention)."""
+        return self.layout.layer_windows[layer_idx]
 
     def dense_layer(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """A copy of layer `layer_idx`'s K/V laid out as transformers' dynamic layers hold them:

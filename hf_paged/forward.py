@@ -21,7 +21,9 @@ logger = logging.getLogger(__name__)
 EAGER = "eager"
 # tensor inputs that decide no K/V beyond what the token ids say: of a `generate` call, of one forward of the model
 TOKEN_INPUTS_OF_GENERATE = frozenset({"input_ids", "attention_mask"})
-TOKEN_INPUTS_OF_FORWARD = frozenset({"input_ids", "attention_mask", "position_ids", "cache_position"})
+TOKEN_INPUTS_OF_FORWARD = frozenset(
+    {"input_ids", "attention_mask", "position_ids", "cache_position", "logits_to_keep"}  # the last selects outputs
+)
 
 _bound = threading.local()
 _switch_lock = threading.Lock()

@@ -24,10 +24,10 @@ import torch
 from transformers import AttentionInterface, GenerationConfig
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerationMixin
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface
 from transformers.utils import ModelOutput
 
-from .attention import paged_attention_forward
+from .attention import paged_attention_forward, paged_attention_mask
 from .cache import PagedCache
 from .config import ATTENTION_NAME, PagedCacheConfig
 from .forward import (
@@ -64,7 +64,7 @@ def is_enabled() -> bool:
 def enable() -> None:
     """Make `cache_implementation="paged"` use `PagedCache` in `generate` (idempotent)."""
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTENTION_NAME, paged_attention_mask)
     if not is_enabled():
         GenerationMixin.generate = _paged_generate
         GenerationMixin._prepare_cache_for_generation = _prepare_paged_cache

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .batch import ForwardBatch, ForwardInputs, address_tables, extend_addressing
+from .batch import ForwardBatch, ForwardInputs, PackedRows, address_packed, address_tables, extend_addressing
 from .config import PagedCacheConfig
 from .groups import KVLayout, layer_windows
 from .pool import BlockPool, get_pool
@@ -168,6 +168,38 @@ class ForwardPlanner:
             if row.tokens is not None:
                 row.record(None if token_ids is None else token_ids[index])
         return self.address(rows, length - num_new, num_new, new_tokens, None, copies, device)
+
+    def plan_packed(
+        self,
+        rows: list[Row],
+        new_tokens: list[int],
+        token_ids: list[list[int]] | None = None,
+        taken: bool = False,
+        device: torch.device | str = "cpu",
+    ) -> ForwardBatch:
+        """The forward of `rows`, row `i` storing `new_tokens[i]` new tokens (`token_ids[i]`, for the prefix index),
+        packed into one sequence of `sum(new_tokens)` tokens with no pad position: the model computes only real
+        tokens, and attention reads each row's own keys through the tables. Takes the blocks first unless `taken`."""
+        if not rows or len(rows) != len(new_tokens) or min(new_tokens) < 1:
+            raise ValueError(
+                f"a forward needs one positive new-token count per row, got {len(rows)} row(s) and {new_tokens}"
+            )
+        copies = 0 if taken else self.take(rows, new_tokens, what=f"a forward of {len(rows)} row(s)")
+        pasts = [row.num_tokens - count for row, count in zip(rows, new_tokens)]
+        for index, row in enumerate(rows):
+            row.leading_pads = 0
+            if row.tokens is not None:
+                row.record(None if token_ids is None else token_ids[index])
+        size = self.pool.block_size
+        addressing = [
+            address_packed([row.tables[group] for row in rows], new_tokens, size, device)
+            for group in range(self.layout.num_groups)
+        ]
+        total = sum(new_tokens)
+        batch = ForwardBatch(list(rows), addressing, self.layout, 0, total, True, copies, [0] * len(rows))
+        batch.packed = PackedRows.of(pasts, new_tokens, device)
+        self._previous = None  # a packed slot map is not extended
+        return batch
 
     def address(
         self,

@@ -84,27 +84,44 @@ def test_chunked_prefill_matches_generate_alone(model, workload, max_prefill_tok
     assert finals[sampled].token_ids == solo.token_ids
     stats = engine.stats()
     chunks = sum(-(-len(p) // max_prefill_tokens) for p in prompts[:24] if len(p) > max_prefill_tokens)
-    assert stats.prefill_steps >= chunks and stats.generated_tokens == sum(news[:24]) + 10
+    # every chunk is a step carrying prompt tokens: prompt tokens alone, or with decoding requests' (mixed)
+    assert stats.prefill_steps + stats.mixed_steps >= chunks and stats.generated_tokens == sum(news[:24]) + 10
     assert engine.pool.stats().num_used == 0
 
 
-def test_chunks_of_a_long_prompt_alternate_with_decode_steps(model):
-    engine = Engine(model, block_size=4, num_blocks=256, max_prefill_tokens=8)
+def step_kind(engine: Engine, before) -> str:
+    """The kind of the step just run, from the change in `engine.stats()` since `before`."""
+    after = engine.stats()
+    for kind in ("prefill", "decode", "mixed"):
+        if getattr(after, f"{kind}_steps") > getattr(before, f"{kind}_steps"):
+            return kind
+    return "none"
+
+
+@pytest.mark.parametrize(
+    ("attention", "expected"),
+    [("hf_paged", ["mixed"] * 5), ("sdpa", ["prefill", "decode"] * 5)],
+    ids=["packed-mixed", "padded-alternating"],
+)
+def test_chunks_of_a_long_prompt_run_with_decode_steps(model, attention, expected):
+    options = {"attn_implementation": attention, "prefix_caching": False}  # every chunk computed, in both runs
+    engine = Engine(model, block_size=4, num_blocks=256, max_prefill_tokens=8, **options)
     short = engine.add_request([5, 6, 7], max_new_tokens=30)
     engine.step()  # short is prefilled and decodes from now on
     engine.add_request(list(range(3, 43)), max_new_tokens=4)  # 40 tokens: 5 chunks of 8
     kinds = []
     while engine.has_unfinished_requests():
-        step_before = engine.stats().prefill_steps
+        before = engine.stats()
         outputs = engine.step()
-        kinds.append("prefill" if engine.stats().prefill_steps > step_before else "decode")
+        kinds.append(step_kind(engine, before))
         assert all(o.request_id == short or o.token_ids for o in outputs)  # a chunk short of the end reports nothing
-    assert kinds[:10] == ["prefill", "decode"] * 5  # chunks alternate with the short request's decode steps
+    # packed: every chunk shares its step with the short request's decode (it never waits); padded: they alternate
+    assert kinds[: len(expected)] == expected
     assert engine.pool.stats().num_used == 0
 
 
 class UnmaskedEngine(Engine):
-    """Negative control: lets every row attend to its left pads."""
+    """Negative control: lets every row attend to its left pads (padded steps)."""
 
     def _forward_inputs(self, step):
         inputs = super()._forward_inputs(step)
@@ -112,9 +129,26 @@ class UnmaskedEngine(Engine):
         return inputs
 
 
+class UnplacedEngine(Engine):
+    """Negative control: packed steps without each token's own position (the model numbers the packed sequence)."""
+
+    def _packed_inputs(self, step):
+        inputs = super()._packed_inputs(step)
+        del inputs["position_ids"]
+        return inputs
+
+
+def test_negative_control_unplaced_packed_tokens_change_outputs(model, workload):
+    prompts, news, expected = workload
+    engine = UnplacedEngine(model, block_size=4, num_blocks=512, prefix_caching=False)  # its K/V are wrong
+    outputs = engine.generate(prompts[:16], max_new_tokens=8, min_new_tokens=8)
+    assert engine.last_stats.pad_positions == 0  # the steps were packed
+    assert [o.token_ids for o in outputs] != [e[:8] for e in expected[:16]]
+
+
 def test_negative_control_unmasked_pads_change_outputs(model, workload):
     prompts, news, expected = workload
-    engine = UnmaskedEngine(model, block_size=4, num_blocks=512)
+    engine = UnmaskedEngine(model, block_size=4, num_blocks=512, attn_implementation="sdpa", prefix_caching=False)
     outputs = engine.generate(prompts[:16], max_new_tokens=8, min_new_tokens=8)
     assert [o.token_ids for o in outputs] != [e[:8] for e in expected[:16]]
 
@@ -398,7 +432,8 @@ def test_smollm2_chunked_prefill_matches_generate_alone(smollm2, chat_workload):
     ids = [engine.add_request(p, max_new_tokens=n) for p, n in zip(prompts[:16], news)]
     finals = drive(engine)
     assert [finals[i].token_ids for i in ids] == expected[:16]
-    assert engine.stats().prefill_steps >= sum(-(-len(p) // 16) for p in prompts[:16])
+    stats = engine.stats()  # every chunk is a step with prompt tokens (alone, or mixed with decoding requests')
+    assert stats.prefill_steps + stats.mixed_steps >= sum(-(-len(p) // 16) for p in prompts[:16])
     assert engine.pool.stats().num_used == 0
 
 
@@ -427,3 +462,29 @@ def test_preemption_with_and_without_the_prefix_cache(model, prefix_caching):
     assert [o.token_ids for o in outputs] == expected * 3
     assert engine.last_stats.preemptions > 0 and engine.pool.stats().num_used == 0
     assert (engine.last_stats.prefix_hit_rate > 0) == prefix_caching
+
+
+# ---------------------------------------------------------------------- packed steps: no pad position
+def test_packed_steps_compute_no_pad_position(model, workload):
+    prompts, news, expected = workload
+    computed, eos = [], model.generation_config.eos_token_id
+    hook = model.get_input_embeddings().register_forward_pre_hook(lambda m, args: computed.append(args[0].numel()))
+    try:
+        engine = Engine(model, block_size=4, num_blocks=512, max_prefill_tokens=32)
+        configs = [GenerationConfig(max_new_tokens=n, min_new_tokens=n, eos_token_id=eos) for n in news[:12]]
+        outputs = engine.generate(prompts[:12], configs)
+    finally:
+        hook.remove()
+    assert [o.token_ids for o in outputs] == expected[:12]
+    stats = engine.last_stats
+    real = sum(len(p) for p in prompts[:12]) + sum(n - 1 for n in news[:12])  # prompts, then fed-back tokens
+    assert sum(computed) == stats.positions_computed == real and stats.pad_positions == 0
+    assert stats.mixed_steps > 0
+
+
+def test_negative_control_padded_steps_count_their_pads(model, workload):
+    prompts, _, _ = workload
+    engine = Engine(model, block_size=4, num_blocks=512, max_prefill_tokens=32, attn_implementation="sdpa")
+    engine.generate(prompts[:12], max_new_tokens=8, min_new_tokens=8)
+    stats = engine.last_stats  # stock attention reads dense K/V: right-aligned rows, pads through the model
+    assert stats.pad_positions > 0 and stats.mixed_steps == 0 and stats.pad_share > 0

@@ -22,14 +22,17 @@ NUM_BLOCKS = IN_FLIGHT * 5 // 2
 
 
 @pytest.mark.slow
-def test_engine_soak_with_aborts_and_a_half_sized_pool():
+@pytest.mark.parametrize("attention", ["hf_paged", "sdpa"], ids=["packed-mixed-steps", "padded-steps"])
+def test_engine_soak_with_aborts_and_a_half_sized_pool(attention):
     model = tiny_model("llama")
     rng = random.Random(2026)
     prompts = [[rng.randrange(3, 128) for _ in range(rng.randint(1, 12))] for _ in range(DISTINCT_PROMPTS)]
     options = {"do_sample": False, "max_new_tokens": MOST_NEW, "min_new_tokens": MOST_NEW}
     reference = [model.generate(torch.tensor([p]), **options)[0, len(p) :].tolist() for p in prompts]
 
-    engine = Engine(model, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_batch_size=IN_FLIGHT)
+    engine = Engine(
+        model, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_batch_size=IN_FLIGHT, attn_implementation=attention
+    )
     allocator = engine.pool.allocator
     asked: dict[str, tuple[int, int]] = {}
     completed, aborted, steps = 0, 0, 0
@@ -57,9 +60,14 @@ def test_engine_soak_with_aborts_and_a_half_sized_pool():
         allocator.check_invariants()
         assert allocator.num_used <= NUM_BLOCKS
     stats = engine.stats()
-    assert completed + aborted == NUM_REQUESTS and aborted > 50
+    assert completed + aborted == NUM_REQUESTS and aborted > (40 if attention == "hf_paged" else 50)
     assert allocator.num_used == 0 and not engine.has_unfinished_requests()
-    assert stats.preemptions > 0 and stats.prefix_hit_rate > 0.1
+    assert stats.prefix_hit_rate > 0.1
+    if attention == "sdpa":
+        assert stats.preemptions > 0
+    # packed mixed steps take every decoding request's token before admitting against the next step's: this
+    # workload finishes in 2.2x fewer steps and did not need to preempt (preemption under packed steps is covered
+    # by test_engine.py's pools too small for their requests)
     print(
         f"\nsoak: {NUM_REQUESTS} requests ({completed} completed, {aborted} aborted) in {steps} steps, "
         f"{stats.preemptions} preemptions, peak {stats.peak_blocks}/{NUM_BLOCKS} blocks, "

@@ -187,3 +187,41 @@ def test_admission_reuses_cached_prefix_blocks():
     assert step.new_tokens == [1] and second.row.table.block_ids[:2] == cached and second.prefix_tokens_reused == 8
     assert len(second.row.table.block_ids) == 3  # the block of its 9th token, taken as it was admitted
     assert [allocator.ref_count(b) for b in cached] == [1, 1]
+
+
+# ---------------------------------------------------------------------- mixed steps (packed forwards)
+def test_mixed_steps_decode_every_running_request_while_a_long_prompt_is_prefilled():
+    scheduler, allocator = scheduler_over(16, 4, None, max_prefill_tokens=4)
+    scheduler.packed = True
+    short, long = request("short", 3), request("long", 10)
+    scheduler.add(short)
+    run(scheduler, scheduler.schedule()[0])
+    scheduler.add(long)
+    plan = []
+    for _ in range(4):
+        step, failed = scheduler.schedule()
+        assert not failed
+        plan.append((step.kind, names(step.requests), step.new_tokens))
+        assert step.batch.packed is not None and step.batch.packed.num_tokens == sum(step.new_tokens)
+        run(scheduler, step)
+    assert plan == [
+        ("mixed", ["short", "long"], [1, 4]),  # admitted while "short" decodes: no step without a token for it
+        ("mixed", ["short", "long"], [1, 4]),
+        ("mixed", ["short", "long"], [1, 2]),  # the last chunk: "long" gets its first token
+        ("decode", ["short", "long"], [1, 1]),
+    ]
+    assert short.output_token_ids == [7] * 5 and long.output_token_ids == [7, 7]
+    allocator.check_invariants()
+
+
+def test_mixed_step_admission_counts_real_prompt_tokens_against_the_budget():
+    scheduler, _ = scheduler_over(64, 4, None, max_prefill_tokens=10)
+    scheduler.packed = True
+    for name, length in (("a", 4), ("b", 5), ("c", 2)):
+        scheduler.add(request(name, length))
+    step, _ = scheduler.schedule()
+    # a + b = 9 prompt tokens fit the budget of 10; c (2 more) does not. Padded, a and b would be 2 x 5 = 10
+    assert (step.kind, names(step.requests), step.new_tokens) == ("prefill", ["a", "b"], [4, 5])
+    run(scheduler, step)
+    step, _ = scheduler.schedule()
+    assert (step.kind, names(step.requests), step.new_tokens) == ("mixed", ["a", "b", "c"], [1, 1, 2])

@@ -13,7 +13,7 @@ import torch
 from transformers import GenerationConfig
 
 from ..batch_cache import BatchCache
-from ..config import PagedCacheConfig
+from ..config import ATTENTION_NAME, PagedCacheConfig
 from ..forward import attention_implementation, paged_attention_for
 from ..planner import ForwardPlanner
 from .params import SamplingParams
@@ -195,6 +195,8 @@ class Engine:
             changed = [r for r in self._requests.values() if r.finished]  # max_new_tokens=0, or failed earlier
             if self.planner.prefix_caching:  # the weights may have been trained since the last step
                 self.planner.refresh_root(self.model)
+            self._implementation = paged_attention_for(self.model, self.cache_config)
+            self.scheduler.packed = self._implementation == ATTENTION_NAME
             step, failed = self.scheduler.schedule()
             changed += failed
             if step is not None:
@@ -239,13 +241,36 @@ class Engine:
 
     def _forward(self, step: Step) -> torch.Tensor:
         self.cache.run(step.batch)
-        inputs = self._forward_inputs(step)
+        packed = step.batch.packed
+        inputs = self._packed_inputs(step) if packed is not None else self._forward_inputs(step)
+        last = None if packed is None else packed.last_token_index.to(self.device)
         if self._keep_last_logits:
-            inputs["logits_to_keep"] = 1
-        implementation = paged_attention_for(self.model, self.cache_config)
-        with torch.inference_mode(), attention_implementation(self.model, implementation):
+            inputs["logits_to_keep"] = 1 if last is None else last
+        with torch.inference_mode(), attention_implementation(self.model, self._implementation):
             output = self.model(**inputs, past_key_values=self.cache, use_cache=True)
-        return output.logits[:, -1, :]
+        self._count_positions(step, inputs["input_ids"].numel())
+        if last is None:
+            return output.logits[:, -1, :]
+        return output.logits[0] if self._keep_last_logits else output.logits[0].index_select(0, last)
+
+    def _count_positions(self, step: Step, positions: int) -> None:
+        """Positions through the model this step, and how many of them were pads (no token)."""
+        self._counters["positions_computed"] += positions
+        self._counters["pad_positions"] += positions - sum(step.new_tokens)
+
+    def _packed_inputs(self, step: Step) -> dict[str, torch.Tensor]:
+        """`input_ids` and `position_ids` (`[1, T]`) of a packed step: every request's new tokens one after another,
+        each at its own position; no attention mask (the attention masks each row itself)."""
+        ids, positions = [], []
+        for request, count in zip(step.requests, step.new_tokens):
+            end = request.row.num_tokens  # the step's blocks are taken: its tokens are in the row
+            ids += request.token_ids[end - count : end]
+            positions += range(end - count, end)
+        device = self.device
+        return {
+            "input_ids": torch.tensor([ids], dtype=torch.long, device=device),
+            "position_ids": torch.tensor([positions], dtype=torch.long, device=device),
+        }
 
     def _forward_inputs(self, step: Step) -> dict[str, torch.Tensor]:
         """`input_ids`, `attention_mask` and `position_ids` of the step's right-aligned batch (`plan_step`): row `i`
@@ -351,6 +376,9 @@ class Engine:
                     "decode_steps",
                     "admitted_tokens",
                     "prefix_tokens_reused",
+                    "mixed_steps",
+                    "positions_computed",
+                    "pad_positions",
                 ),
                 0,
             )
@@ -376,6 +404,9 @@ class Engine:
                 num_steps=c["steps"],
                 prefill_steps=c["prefill_steps"],
                 decode_steps=c["decode_steps"],
+                mixed_steps=c["mixed_steps"],
+                positions_computed=c["positions_computed"],
+                pad_positions=c["pad_positions"],
                 preemptions=self.scheduler.num_preemptions - self._preemptions_at_reset,
                 peak_blocks=self.pool.stats().peak_used,
                 prefix_hit_rate=self.prefix_hit_rate,

@@ -51,6 +51,12 @@ class Scheduler:
             is admitted alone and prefilled in chunks of this many tokens.
         device (`torch.device | str`): where the batches' index tensors go (the model's input device).
 
+    Attributes:
+        packed (`bool`): plan packed forwards (no pad position, `ForwardPlanner.plan_packed`) and **mixed steps**:
+            every decoding request's next token and up to `max_prefill_tokens` prompt tokens in one forward. The
+            Engine sets it when its attention reads the block tables (`"hf_paged"`); otherwise steps are either
+            prefill or decode, right-aligned.
+
     Example:
 
     ```python
@@ -81,6 +87,7 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.device = device
+        self.packed = False  # plan packed, mixed steps (set by the Engine when its attention reads the tables)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -112,6 +119,8 @@ class Scheduler:
         return step, failed
 
     def _next_step(self, failed: list[Request]) -> Step | None:
+        if self.packed:
+            return self._mixed_step(failed)
         partial = next((r for r in self.running if self.pending_tokens(r) > 1), None)
         if partial is not None:
             others_decode = len(self.running) > 1 and self._last_kind == "prefill"
@@ -145,19 +154,69 @@ class Scheduler:
         return self.planner.never_fits(num_tokens, self.max_prefill_tokens)
 
     def _plan(self, requests: list[Request], counts: list[int], taken: bool = False) -> ForwardBatch:
-        """The forward of `requests` storing `counts[i]` tokens each (their blocks taken first unless `taken`)."""
+        """The forward of `requests` storing `counts[i]` tokens each (their blocks taken first unless `taken`):
+        packed when `packed`, else right-aligned."""
         token_ids = None
         if self.planner.prefix_caching:
             starts = [r.row.num_tokens - (count if taken else 0) for r, count in zip(requests, counts)]
             token_ids = [r.token_ids[start : start + n] for r, start, n in zip(requests, starts, counts)]
         rows = [r.row for r in requests]
-        return self.planner.plan_step(rows, counts, token_ids, taken=taken, device=self.device)
+        plan = self.planner.plan_packed if self.packed else self.planner.plan_step
+        return plan(rows, counts, token_ids, taken=taken, device=self.device)
+
+    # ------------------------------------------------------------------ mixed steps (packed forwards)
+    def _mixed_step(self, failed: list[Request]) -> Step | None:
+        """One packed forward: a token for every decoding request (the most recently admitted ones preempted while
+        the pool cannot hold them), then up to `max_prefill_tokens` prompt tokens: the next chunk of a prompt being
+        prefilled, or the first chunks of newly admitted requests."""
+        decoding = self._take_decodes(failed)
+        requests, counts = list(decoding), [1] * len(decoding)
+        admitted: list[Request] = []
+        partial = next((r for r in self.running if r not in decoding and self.pending_tokens(r) > 1), None)
+        if partial is not None:
+            chunk = self._chunk(partial)
+            try:
+                self.planner.take([partial.row], [chunk], what=f"a prompt chunk of {chunk} token(s)")
+                requests.append(partial)
+                counts.append(chunk)
+            except PoolExhaustedError as exhausted:
+                if len(self.running) == 1:
+                    self._fail_alone(partial, f"its next prompt chunk needs {exhausted.num_needed} more", failed)
+                else:
+                    self._preempt(partial)
+        else:
+            admitted, chunks = self._admit(failed)
+            requests += admitted
+            counts += chunks
+        if not requests:
+            return None
+        prefills = len(requests) - len(decoding)
+        kind = "decode" if not prefills else "prefill" if not decoding else "mixed"
+        return Step(kind, requests, counts, tuple(admitted), self._plan(requests, counts, taken=True))
+
+    def _take_decodes(self, failed: list[Request]) -> list[Request]:
+        """Take one token's blocks for every decoding request; while the pool cannot hold them all, the most
+        recently admitted request is preempted (alone, it fails). Returns the requests that got their blocks."""
+        while self.running:
+            decoding = self._decoding()
+            if not decoding:
+                return []
+            try:
+                self.planner.take([r.row for r in decoding], [1] * len(decoding), what="a decode step")
+                return decoding
+            except PoolExhaustedError as exhausted:
+                victim = self.running[-1]
+                if len(self.running) == 1:
+                    self._fail_alone(victim, f"needs {exhausted.num_needed} more", failed)
+                    return []
+                self._preempt(victim)
+        return []
 
     # ------------------------------------------------------------------ admission
     def _admit(self, failed: list[Request]) -> tuple[list[Request], list[int]]:
         """Admit waiting requests, taking the blocks of their first prefill chunk; returns them and those chunks."""
         planner = self.planner
-        decoding = self._decoding()
+        decoding = [r for r in self.running if self.pending_tokens(r) <= 1]  # a packed step took theirs already
         reserve = planner.blocks_needed([r.row for r in decoding], [1] * len(decoding))
         admitted: list[Request] = []
         chunks: list[int] = []
@@ -174,7 +233,12 @@ class Scheduler:
             row = self._new_row(tokens)
             new = len(tokens) - row.num_tokens
             chunk = min(new, self.max_prefill_tokens)
-            if admitted and (len(admitted) + 1) * max(width, chunk) > self.max_prefill_tokens:
+            over_budget = (
+                width + chunk > self.max_prefill_tokens  # packed: real prompt tokens
+                if self.packed
+                else (len(admitted) + 1) * max(width, chunk) > self.max_prefill_tokens  # padded positions
+            )
+            if admitted and over_budget:
                 self.pool.free_rows([row])
                 break
             reused = row.num_tokens
@@ -190,7 +254,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.pool.count_prefix_reuse(reused)
-            width = max(width, chunk)
+            width = width + chunk if self.packed else max(width, chunk)
             request.row = row
             request.prefix_tokens_reused += reused
             request.status = RequestStatus.RUNNING

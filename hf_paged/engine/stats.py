@@ -18,10 +18,13 @@ class EngineStats:
         elapsed_s (`float`): seconds from the reset to the last step.
         requests_per_s, tokens_per_s (`float`): finished requests and generated tokens per second.
         mean_ttft_s, p90_ttft_s (`float | None`): time to first token, mean and 90th percentile.
-        num_steps, prefill_steps, decode_steps (`int`): forwards run.
+        num_steps, prefill_steps, decode_steps, mixed_steps (`int`): forwards run, by kind (a mixed step holds
+            prompt tokens and decoding requests' tokens together).
         preemptions (`int`): requests that lost their blocks and were recomputed.
         peak_blocks (`int`): most pool blocks in use at once.
         prefix_hit_rate (`float`): share of admitted prompt tokens taken from the prefix cache.
+        positions_computed (`int`): positions the model's forwards computed (tokens and pads).
+        pad_positions (`int`): of those, pad positions (no token): 0 for packed steps.
     """
 
     num_requests: int
@@ -38,6 +41,14 @@ class EngineStats:
     preemptions: int
     peak_blocks: int
     prefix_hit_rate: float
+    mixed_steps: int = 0
+    positions_computed: int = 0
+    pad_positions: int = 0
+
+    @property
+    def pad_share(self) -> float:
+        """Share of computed positions that were pads."""
+        return self.pad_positions / self.positions_computed if self.positions_computed else 0.0
 
 
 def percentile(values: list[float], fraction: float) -> float | None:
