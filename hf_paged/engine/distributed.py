@@ -35,6 +35,7 @@ from .stats import EngineStats
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
+EXIT_RANK_FAILED = 3  # the exit status of a process that `exit_on_failure` ends
 
 
 class RankFailedError(RuntimeError):
@@ -117,6 +118,8 @@ class DistributedEngine:
         heartbeat_s (`float`, *optional*): rank 0's `keepalive()` pings the followers when this long passed
             without a message (default: a quarter of `timeout_s`).
         verify (`bool`): compare every step's tokens and allocator stats across ranks (`LockstepError`).
+        exit_on_failure (`bool`): on `RankFailedError`, log it and end the process at once (status
+            `EXIT_RANK_FAILED`) instead of raising: what a server rank wants, whose broken group cannot recover.
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
@@ -148,6 +151,7 @@ class DistributedEngine:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         heartbeat_s: float | None = None,
         verify: bool = True,
+        exit_on_failure: bool = False,
     ):
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -167,6 +171,7 @@ class DistributedEngine:
         self.timeout_s = timeout_s
         self.heartbeat_s = timeout_s / 4 if heartbeat_s is None else heartbeat_s
         self.verify = verify
+        self.exit_on_failure = exit_on_failure
         self.rank_states: list[RankState] = [RankState.of(r, engine) for r in range(self.world_size)]
         self._group = self._collective("creating the control group", dist.new_group, backend="gloo",
                                        timeout=timedelta(seconds=timeout_s))  # fmt: skip
@@ -290,14 +295,14 @@ class DistributedEngine:
         """
         if self.rank == 0:
             raise RuntimeError("rank 0 drives the engine; follow() is for the other ranks")
-        logger.info("hf_paged: rank %d/%d follows rank 0", self.rank, self.world_size)
+        logger.info("hf_paged: following rank 0 (rank %d of %d)", self.rank, self.world_size)
         while True:
             message = self._receive()
             self._replay(message.ops)
             if message.command == "shutdown":
                 self._closed = True
                 self.engine.close()
-                logger.info("hf_paged: rank %d: rank 0 closed the engine", self.rank)
+                logger.info("hf_paged: rank 0 closed the engine (rank %d leaves)", self.rank)
                 return
             if message.command == "step":
                 self._step()
@@ -354,15 +359,15 @@ class DistributedEngine:
             return
         reference_state, reference_digest = gathered[0]
         for rank, (state, step_digest) in enumerate(gathered[1:], start=1):
-            same_pool = dataclasses.replace(state.pool, tp_rank=0) == dataclasses.replace(reference_state.pool, tp_rank=0)
+            same_pool = dataclasses.replace(state.pool, tp_rank=0) == dataclasses.replace(
+                reference_state.pool, tp_rank=0
+            )
             if step_digest != reference_digest or not same_pool:
-                error = LockstepError(
+                raise self._fail(
                     f"step {self._steps}: rank {rank} diverged from rank 0 (tokens {step_digest[:4]} vs "
-                    f"{reference_digest[:4]}, pool {state.pool} vs {reference_state.pool}); the tensor-parallel "
-                    "group cannot continue"
+                    f"{reference_digest[:4]}, pool {state.pool} vs {reference_state.pool})",
+                    LockstepError,
                 )
-                self.failed = error
-                raise error
 
     def _collective(self, what: str, function, *args, **kwargs):
         try:
@@ -371,13 +376,17 @@ class DistributedEngine:
             cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise self._fail(f"{what} failed: {cause}") from error
 
-    def _fail(self, reason: str) -> RankFailedError:
-        self.failed = RankFailedError(
-            f"rank {getattr(self, 'rank', '?')} of {getattr(self, 'world_size', '?')}: the tensor-parallel group "
-            f"stopped: {reason} (a rank exited, was killed or did not answer within the {self.timeout_s:g} s "
-            "timeout)"
+    def _fail(self, reason: str, kind: type[RankFailedError] = RankFailedError) -> RankFailedError:
+        why = "the ranks' engines diverged" if kind is LockstepError else (
+            f"a rank exited, was killed or did not answer within the {self.timeout_s:g} s timeout"
+        )  # fmt: skip
+        self.failed = kind(
+            f"rank {self.rank} of {self.world_size}: the tensor-parallel group stopped: {reason} ({why})"
         )
         logger.error("hf_paged: %s", self.failed)
+        if self.exit_on_failure:
+            logging.shutdown()
+            os._exit(EXIT_RANK_FAILED)
         return self.failed
 
     def _until_done(self, ids: list[str]) -> Iterator[RequestOutput]:
