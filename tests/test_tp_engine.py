@@ -84,7 +84,12 @@ def rank_work(rank: int, folder: str) -> list[dict]:
                 outputs[aborted] = distributed.abort(aborted)
         result["outputs"] = [outputs[i] for i in ids]
         result["aborted"] = outputs[aborted]
-        result["rank_states"] = distributed.rank_states
+        result["streamed"] = [o.new_token_ids for o in distributed.stream([[5, 6, 7]], max_new_tokens=3)]
+        abandoned = distributed.stream([[8, 9, 10]], max_new_tokens=20)
+        next(abandoned)
+        abandoned.close()  # aborts the request; the followers replay the abort with the next step
+        assert distributed.step()[0].finish_reason == "abort"
+        result["rank_states"] = distributed.rank_states  # as of that step
         distributed.close()
     else:
         distributed.follow()
@@ -174,3 +179,10 @@ def test_a_model_that_is_not_split_over_the_group_is_refused(tmp_path):
 
 def unsplit_work(rank: int) -> None:
     DistributedEngine(hf_paged.Engine(tiny_model("llama"), block_size=4, num_blocks=8))
+
+
+def test_stream_yields_each_token_and_closing_it_early_frees_every_rank(job):
+    _, ranks, _ = job
+    assert ranks[0]["streamed"] == [[token] for token in sum(ranks[0]["streamed"], [])]
+    assert len(ranks[0]["streamed"]) == 3
+    assert all(result["final"].num_used == 0 for result in ranks)

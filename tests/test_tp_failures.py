@@ -2,8 +2,9 @@
 within a bounded time, and no process is left behind.
 
 Each scenario starts 2 gloo ranks (`distributed_helpers.start_ranks`) of a tiny Llama loaded with
-`tp_plan="auto"`, runs requests, and makes one rank fail in its 3rd step: killed (SIGKILL), or stopped (SIGSTOP)
-so that only the control group's timeout can tell.
+`tp_plan="auto"`, runs requests, and makes one rank fail in its 3rd step: killed (SIGKILL), stopped (SIGSTOP) so
+that only the control group's timeout can tell, or diverging (its step reports other tokens), which the per-step
+comparison catches on every rank.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def rank_work(rank: int, folder: str, victim: int, how: str, out_dir: str) -> No
         outputs = step()
         if rank == victim and engine.num_steps == 3:
             Path(out_dir, "failed_at").write_text(str(time.time()))
+            if how == "diverge":  # this rank reports a step the others did not take
+                return outputs[:-1]
             os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
         return outputs
 
@@ -86,3 +89,21 @@ def test_the_surviving_rank_exits_with_a_clear_error_in_bounded_time(folder, tmp
     assert f"rank {survivor} of 2: the tensor-parallel group stopped" in message
     assert f"{CONTROL_TIMEOUT_S:g} s timeout" in message
     assert multiprocessing.active_children() == []
+
+
+def test_ranks_that_diverge_stop_with_lockstep_error(folder, tmp_path):
+    processes = start_ranks(rank_work, (folder, 1, "diverge", str(tmp_path)), tmp_path, 2)
+    try:
+        for process in processes:
+            process.join(timeout=120)
+        codes = [process.exitcode for process in processes]
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)
+    assert codes == [3, 3], list(tmp_path.glob("*.err"))
+    for rank in (0, 1):
+        message = (tmp_path / f"survivor{rank}.txt").read_text().split("\n", 1)[1]
+        assert f"rank {rank} of 2: the tensor-parallel group stopped: step 3: rank 1 diverged from rank 0" in message
+        assert "the ranks' engines diverged" in message
