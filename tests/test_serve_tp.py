@@ -150,3 +150,9 @@ def test_tensor_parallelism_without_a_distributed_launch_is_refused(monkeypatch)
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(RuntimeError, match="tensor parallelism needs a distributed launch: RANK, WORLD_SIZE"):
         init_distributed()
+
+
+def test_a_zero_group_timeout_is_refused(folder, capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", str(folder), "--tp", "2", "--tp-timeout", "0"])
+    assert "argument --tp-timeout: the timeout must be > 0 seconds, got 0" in capsys.readouterr().err

@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--tp-timeout",
-        type=_seconds,
+        type=_timeout,
         default=DEFAULT_TP_TIMEOUT_S,
         help="seconds a rank waits for the others before the group stops with an error (default "
         f"{DEFAULT_TP_TIMEOUT_S:g})",
@@ -100,6 +100,13 @@ def _seconds(value: str) -> float:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
     if not 0 <= seconds < float("inf"):
         raise argparse.ArgumentTypeError(f"the grace period must be >= 0 seconds, got {value}")
+    return seconds
+
+
+def _timeout(value: str) -> float:
+    seconds = _seconds(value)
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"the timeout must be > 0 seconds, got {value}")
     return seconds
 
 

@@ -34,7 +34,7 @@ def check_tp_degree(model_path: str, tp: int, *, gguf_file: str | None = None, d
 
     Raises:
         ValueError: `tp` exceeds or does not divide the KV heads or the attention heads, asks for more CUDA
-            devices than are visible, or comes with `--device`.
+            devices than are visible, or comes with `--device`; or the model's config cannot be read.
     """
     if tp == 1:
         return
@@ -44,7 +44,10 @@ def check_tp_degree(model_path: str, tp: int, *, gguf_file: str | None = None, d
     from transformers import AutoConfig
 
     extra = {"gguf_file": gguf_file} if gguf_file else {}
-    config = AutoConfig.from_pretrained(model_path, **extra).get_text_config(decoder=True)
+    try:
+        config = AutoConfig.from_pretrained(model_path, **extra).get_text_config(decoder=True)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"cannot read the config of {model_path} to check --tp {tp}: {error}") from error
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     for count, name in ((kv_heads, "KV heads (num_key_value_heads)"), (heads, "attention heads")):
