@@ -50,12 +50,8 @@ def rank_main(work, rank: int, world_size: int, port: int, out_dir: str, args: t
         sys.exit(1)
 
 
-def run_ranks(work, args: tuple, out_dir: Path, world_size: int = 2, timeout_s: float = JOB_TIMEOUT_S):
-    """Run `work(rank, *args)` (a module-level function) in `world_size` spawned ranks; rank 0's result.
-
-    Raises:
-        RuntimeError: a rank failed or the job ran past `timeout_s`; every rank has been killed and reaped.
-    """
+def start_ranks(work, args: tuple, out_dir: Path, world_size: int = 2) -> list:
+    """Start `work(rank, *args)` in `world_size` spawned ranks of one gloo group; their (daemon) processes."""
     context = mp.get_context("spawn")
     port = free_port()
     processes = [
@@ -64,6 +60,16 @@ def run_ranks(work, args: tuple, out_dir: Path, world_size: int = 2, timeout_s: 
     ]
     for process in processes:
         process.start()
+    return processes
+
+
+def run_ranks(work, args: tuple, out_dir: Path, world_size: int = 2, timeout_s: float = JOB_TIMEOUT_S):
+    """Run `work(rank, *args)` (a module-level function) in `world_size` spawned ranks; rank 0's result.
+
+    Raises:
+        RuntimeError: a rank failed or the job ran past `timeout_s`; every rank has been killed and reaped.
+    """
+    processes = start_ranks(work, args, out_dir, world_size)
     deadline = time.monotonic() + timeout_s
     try:
         while any(process.is_alive() for process in processes):

@@ -28,13 +28,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def save_tiny_model(folder: Path) -> Path:
+def save_tiny_model(folder: Path, **overrides) -> Path:
     """A 2-layer Llama of width 64 with SmolLM2's 49,152-token vocabulary and tokenizer (end of sequence: id 2,
-    `<|im_end|>`), context 8,192, saved in `folder`."""
+    `<|im_end|>`), context 8,192, saved in `folder`; `overrides` are config options (`num_key_value_heads=4`)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
-    model = tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=TINY_CONTEXT)
+    model = tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=TINY_CONTEXT, **overrides)
     assert tokenizer.eos_token_id == model.generation_config.eos_token_id == 2
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from ..config import parse_memory
@@ -14,6 +15,7 @@ logger = logging.getLogger("hf_paged.serve")
 API_KEY_ENV = "HF_PAGED_API_KEY"
 DEFAULT_MAX_BODY = "4MiB"
 DEFAULT_SHUTDOWN_GRACE_S = 10.0
+DEFAULT_TP_TIMEOUT_S = 30.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,8 +58,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds in-flight requests may run after SIGINT/SIGTERM before they are aborted "
         f"(default {DEFAULT_SHUTDOWN_GRACE_S:g})",
     )
+    serve.add_argument(
+        "--tp",
+        type=_degree,
+        default=1,
+        help="tensor-parallel degree: start this many ranks, each holding 1/N of the heads (it must divide the "
+        "model's KV heads); rank 0 serves (default 1: one process)",
+    )
+    serve.add_argument(
+        "--tp-timeout",
+        type=_timeout,
+        default=DEFAULT_TP_TIMEOUT_S,
+        help="seconds a rank waits for the others before the group stops with an error (default "
+        f"{DEFAULT_TP_TIMEOUT_S:g})",
+    )
     serve.add_argument("--log-level", default="info")
     return parser
+
+
+def _degree(value: str) -> int:
+    try:
+        degree = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}") from None
+    if degree < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 (1: no tensor parallelism), got {degree}")
+    return degree
 
 
 def _size(value: str) -> int:
@@ -77,14 +103,22 @@ def _seconds(value: str) -> float:
     return seconds
 
 
+def _timeout(value: str) -> float:
+    seconds = _seconds(value)
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"the timeout must be > 0 seconds, got {value}")
+    return seconds
+
+
 def api_key(args) -> str | None:
     """`--api-key`, else `$HF_PAGED_API_KEY` (an empty value means no key)."""
     return args.api_key or os.environ.get(API_KEY_ENV) or None
 
 
-def load(args):
+def load(args, tensor_parallel: bool = False):
     """`(model, tokenizer, served name)` from the command line options; a GGUF file is converted once and loaded
-    from its cached copy afterwards (`gguf_cache.converted_gguf`)."""
+    from its cached copy afterwards (`gguf_cache.converted_gguf`). With `tensor_parallel`, every rank of the
+    initialized process group loads its shard (`tp_plan="auto"`) on its own device."""
     from pathlib import Path
 
     import torch
@@ -103,23 +137,37 @@ def load(args):
             logger.warning("hf_paged: %s is not a local file; it is converted without caching", args.gguf_file)
             extra = {"gguf_file": args.gguf_file}
     tokenizer = AutoTokenizer.from_pretrained(path, **extra)
+    if tensor_parallel:
+        from transformers.distributed import DistributedConfig
+
+        extra["distributed_config"] = DistributedConfig(tp_plan="auto")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model.to(device).eval()
+    if not tensor_parallel:
+        model.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model.eval()
     name = args.served_model_name or Path(args.model_path).name
     return model, tokenizer, name
 
 
 def serve(args) -> None:
+    """Serve the model: in this process, or (in a rank `launcher.launch` started) as one rank of `--tp` ranks:
+    rank 0 serves HTTP over a `DistributedEngine`, the others follow it."""
     import uvicorn
 
     from ..engine import Engine
+    from ..engine.distributed import DistributedEngine, init_distributed
+    from .launcher import launched_rank
     from .loop import EngineLoop
     from .server import create_app
     from .shutdown import GracefulServer
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    model, tokenizer, name = load(args)
+    rank = launched_rank()
+    prefix = "" if rank is None else f"rank {rank}: "
+    log_format = f"%(asctime)s %(levelname)s %(name)s: {prefix}%(message)s"
+    logging.basicConfig(level=args.log_level.upper(), format=log_format)
+    if rank is not None:
+        init_distributed(args.tp_timeout)
+    model, tokenizer, name = load(args, tensor_parallel=rank is not None)
     pool_options = {"block_size": args.block_size}
     if args.num_blocks is not None:
         pool_options["num_blocks"] = args.num_blocks
@@ -133,6 +181,16 @@ def serve(args) -> None:
         progress=False,
         **pool_options,
     )
+    if rank is not None:
+        import torch.distributed as dist
+
+        engine = DistributedEngine(engine, timeout_s=args.tp_timeout, exit_on_failure=True)
+        if rank != 0:
+            if hasattr(signal, "SIGINT"):
+                signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
+            engine.follow()
+            dist.destroy_process_group()
+            return
     loop = EngineLoop(engine)
     app = create_app(loop, name, api_key(args), max_body_bytes=args.max_body_size)
     config = uvicorn.Config(
@@ -142,17 +200,33 @@ def serve(args) -> None:
         log_level=args.log_level,
         timeout_graceful_shutdown=args.shutdown_grace + 5,  # a backstop: the engine loop aborts at the grace end
     )
-    logger.info("serving %s on http://%s:%d (pool: %r)", name, args.host, args.port, engine.pool)
+    ranks = "" if rank is None else f", tensor parallel over {args.tp} ranks"
+    logger.info("serving %s on http://%s:%d (pool: %r%s)", name, args.host, args.port, engine.pool, ranks)
     try:
         GracefulServer(config, loop, args.shutdown_grace).run()
     finally:
-        loop.stop()
+        loop.stop()  # closes the engine: with --tp, the followers are released and exit
         logger.info("hf_paged: stopped; %d KV blocks in use", engine.pool.stats().num_used)
+    if rank is not None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from .launcher import check_tp_degree, launch, launched_rank
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
+        if args.command == "serve" and args.tp > 1 and launched_rank() is None:
+            logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+            try:
+                check_tp_degree(args.model_path, args.tp, gguf_file=args.gguf_file, device=args.device)
+            except ValueError as error:
+                parser.error(str(error))
+            return launch(argv, args.tp)
         if args.command == "serve":
             serve(args)
     except KeyboardInterrupt:  # before the server took over the signals (e.g. while the model loads)

@@ -26,34 +26,35 @@ class ShuttingDown(Exception):
 
 class EngineLoop:
     """Steps `engine` on a background thread whenever requests are pending. `submit` and `abort` only enqueue: the
-    thread adds and aborts requests between two steps (an abort therefore takes effect within one step, and frees
-    the request's blocks at once), then runs the next step and hands every output to its request's `deliver`
-    callback. It publishes a `MetricsSnapshot` (`snapshot`) after a step that admitted or finished requests, at
-    least every `snapshot_interval_s` seconds while it steps, and whenever it becomes idle.
+        thread adds and aborts requests between two steps (an abort therefore takes effect within one step, and frees
+        the request's blocks at once), then runs the next step and hands every output to its request's `deliver`
+        callback. It publishes a `MetricsSnapshot` (`snapshot`) after a step that admitted or finished requests, at
+        least every `snapshot_interval_s` seconds while it steps, and whenever it becomes idle. `engine` may be a
+    `DistributedEngine` (rank 0 of `hf-paged serve --tp`), whose `keepalive()` it calls while idle.
 
-    Shutdown: `begin_shutdown(grace_s)` refuses new requests (`submit` raises `ShuttingDown`) and lets running
-    ones continue for `grace_s` seconds; then every request left is aborted (its output finishes with
-    `finish_reason="abort"` and `shutdown_aborted` is set). `stop()` ends the thread and frees every block.
+        Shutdown: `begin_shutdown(grace_s)` refuses new requests (`submit` raises `ShuttingDown`) and lets running
+        ones continue for `grace_s` seconds; then every request left is aborted (its output finishes with
+        `finish_reason="abort"` and `shutdown_aborted` is set). `stop()` ends the thread and frees every block.
 
-    Example:
+        Example:
 
-    ```python
-    >>> import asyncio
-    >>> from hf_paged import Engine
-    >>> from hf_paged.reference_models import tiny_model
-    >>> loop = EngineLoop(Engine(tiny_model("llama"), block_size=4, num_blocks=32))
-    >>> async def ask():
-    ...     done = asyncio.get_running_loop().create_future()
-    ...     def deliver(index, output):
-    ...         if output.finished:
-    ...             done.get_loop().call_soon_threadsafe(done.set_result, output)
-    ...     await loop.submit([1, 2, 3], [{"max_new_tokens": 2}], deliver)
-    ...     return (await done).token_ids
-    >>> len(asyncio.run(ask()))
-    2
-    >>> loop.stop()
+        ```python
+        >>> import asyncio
+        >>> from hf_paged import Engine
+        >>> from hf_paged.reference_models import tiny_model
+        >>> loop = EngineLoop(Engine(tiny_model("llama"), block_size=4, num_blocks=32))
+        >>> async def ask():
+        ...     done = asyncio.get_running_loop().create_future()
+        ...     def deliver(index, output):
+        ...         if output.finished:
+        ...             done.get_loop().call_soon_threadsafe(done.set_result, output)
+        ...     await loop.submit([1, 2, 3], [{"max_new_tokens": 2}], deliver)
+        ...     return (await done).token_ids
+        >>> len(asyncio.run(ask()))
+        2
+        >>> loop.stop()
 
-    ```
+        ```
     """
 
     def __init__(self, engine: Engine, *, snapshot_interval_s: float = 0.25):
@@ -137,6 +138,9 @@ class EngineLoop:
         if self._deadline is not None and time.monotonic() >= self._deadline:
             self._abort_everything()
         if not self.engine.has_unfinished_requests():
+            keepalive = getattr(self.engine, "keepalive", None)  # a DistributedEngine tells its followers it lives
+            if keepalive is not None:
+                keepalive()
             self._publish(force=True)
             timeout = 0.5 if self._deadline is None else max(0.0, min(0.5, self._deadline - time.monotonic()))
             self._wake.wait(timeout=timeout)

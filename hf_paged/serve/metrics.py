@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..engine import Engine
+from ..engine.distributed import RankState
 
 _SAMPLES = (  # name, kind, help
     ("hf_paged_kv_blocks_used", "gauge", "KV blocks held by running requests"),
@@ -22,6 +23,11 @@ _SAMPLES = (  # name, kind, help
     ("hf_paged_prompt_tokens_total", "counter", "Prompt tokens of finished requests"),
     ("hf_paged_generation_tokens_total", "counter", "Tokens generated"),
     ("hf_paged_engine_steps_total", "counter", "Engine steps (forwards) run"),
+    ("hf_paged_tp_world_size", "gauge", "Tensor-parallel ranks serving the model (1: one process)"),
+    ("hf_paged_rank_kv_blocks_used", "gauge", "KV blocks in use in each rank's pool"),
+    ("hf_paged_rank_kv_usage_ratio", "gauge", "Share of each rank's KV blocks in use"),
+    ("hf_paged_rank_kv_bytes_used", "gauge", "Bytes of KV blocks in use in each rank's pool"),
+    ("hf_paged_rank_kv_bytes_total", "gauge", "Bytes of each rank's KV pool"),
 )
 
 
@@ -57,12 +63,22 @@ class MetricsSnapshot:
             "hf_paged_generation_tokens_total": totals["generation_tokens"],
             "hf_paged_engine_steps_total": engine.num_steps,
         }
+        states = getattr(engine, "rank_states", None) or [RankState.of(0, engine)]  # a DistributedEngine's ranks
+        values["hf_paged_tp_world_size"] = len(states)
+        for state in states:
+            label = f'{{rank="{state.rank}"}}'
+            used, total = state.pool.num_used, state.pool.num_blocks
+            values["hf_paged_rank_kv_blocks_used" + label] = used
+            values["hf_paged_rank_kv_usage_ratio" + label] = used / total if total else 0.0
+            values["hf_paged_rank_kv_bytes_used" + label] = state.kv_bytes_used
+            values["hf_paged_rank_kv_bytes_total" + label] = state.kv_bytes_total
         return cls({name: float(value) for name, value in values.items()}, taken_at)
 
 
 def render_metrics(snapshot: MetricsSnapshot) -> str:
     """Prometheus exposition text of `snapshot`: KV blocks used/free, usage and waste, prefix hit rate, preemptions,
-    requests running/waiting, and the server's request, token and step counters.
+    requests running/waiting, the server's request, token and step counters, and each tensor-parallel rank's KV
+    blocks and bytes (labelled `rank="0"`, ...; one rank without tensor parallelism).
 
     Example:
 
@@ -75,6 +91,8 @@ def render_metrics(snapshot: MetricsSnapshot) -> str:
     """
     lines = []
     for name, kind, help_text in _SAMPLES:
-        if name in snapshot.values:
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {snapshot.values[name]:g}"]
+        samples = [key for key in snapshot.values if key == name or key.startswith(name + "{")]  # labelled per rank
+        if samples:
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+            lines += [f"{key} {snapshot.values[key]:g}" for key in samples]
     return "\n".join(lines) + "\n"
