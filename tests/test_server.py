@@ -55,6 +55,26 @@ def test_models_health_and_metrics(server, client):
     assert metric(server, "hf_paged_kv_blocks_total") == 256
 
 
+def test_metrics_count_steps_by_kind_and_pad_positions(server, client):
+    prompts = ["Say yes.", "Name a colour, then a fruit, then an animal."]  # different lengths, served together
+    callers = [
+        threading.Thread(target=client.completions.create, kwargs={"model": MODEL, "prompt": p, "max_tokens": 4})
+        for p in prompts
+    ]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    wait_for_idle(server)
+    kinds = {kind: metric(server, f'hf_paged_engine_steps_by_kind_total{{kind="{kind}"}}') for kind in STEP_KINDS}
+    assert sum(kinds.values()) == metric(server, "hf_paged_engine_steps_total") and kinds["prefill"] >= 1
+    assert metric(server, "hf_paged_positions_computed_total") > 0
+    assert metric(server, "hf_paged_pad_positions_total") == 0  # packed steps: prompts of different lengths, no pad
+
+
+STEP_KINDS = ("prefill", "decode", "mixed")
+
+
 def test_completion_is_greedy_generate(smollm2, client):
     prompt = "The three primary colours are"
     reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)

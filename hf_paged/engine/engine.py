@@ -181,6 +181,19 @@ class Engine:
         return self._counters["steps"]
 
     @property
+    def step_counts(self) -> dict[str, int]:
+        """Since the last `reset_stats()` (cheap): forwards by kind (`prefill`, `decode`, `mixed`), positions the
+        model computed, and pad positions among them."""
+        c = self._counters
+        return {
+            "prefill": c["prefill_steps"],
+            "decode": c["decode_steps"],
+            "mixed": c["mixed_steps"],
+            "positions": c["positions_computed"],
+            "pads": c["pad_positions"],
+        }
+
+    @property
     def prefix_hit_rate(self) -> float:
         """Share of admitted prompt tokens taken from the prefix cache since the last `reset_stats()` (cheap)."""
         counters = self._counters

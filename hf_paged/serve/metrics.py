@@ -23,6 +23,9 @@ _SAMPLES = (  # name, kind, help
     ("hf_paged_prompt_tokens_total", "counter", "Prompt tokens of finished requests"),
     ("hf_paged_generation_tokens_total", "counter", "Tokens generated"),
     ("hf_paged_engine_steps_total", "counter", "Engine steps (forwards) run"),
+    ("hf_paged_engine_steps_by_kind_total", "counter", "Engine steps by kind: prefill, decode, or mixed (both)"),
+    ("hf_paged_positions_computed_total", "counter", "Positions the model's forwards computed (tokens and pads)"),
+    ("hf_paged_pad_positions_total", "counter", "Pad positions among them (0 for packed steps)"),
     ("hf_paged_tp_world_size", "gauge", "Tensor-parallel ranks serving the model (1: one process)"),
     ("hf_paged_rank_kv_blocks_used", "gauge", "KV blocks in use in each rank's pool"),
     ("hf_paged_rank_kv_usage_ratio", "gauge", "Share of each rank's KV blocks in use"),
@@ -63,6 +66,11 @@ class MetricsSnapshot:
             "hf_paged_generation_tokens_total": totals["generation_tokens"],
             "hf_paged_engine_steps_total": engine.num_steps,
         }
+        counts = engine.step_counts
+        for kind in ("prefill", "decode", "mixed"):
+            values[f'hf_paged_engine_steps_by_kind_total{{kind="{kind}"}}'] = counts[kind]
+        values["hf_paged_positions_computed_total"] = counts["positions"]
+        values["hf_paged_pad_positions_total"] = counts["pads"]
         states = getattr(engine, "rank_states", None) or [RankState.of(0, engine)]  # a DistributedEngine's ranks
         values["hf_paged_tp_world_size"] = len(states)
         for state in states:
@@ -77,8 +85,9 @@ class MetricsSnapshot:
 
 def render_metrics(snapshot: MetricsSnapshot) -> str:
     """Prometheus exposition text of `snapshot`: KV blocks used/free, usage and waste, prefix hit rate, preemptions,
-    requests running/waiting, the server's request, token and step counters, and each tensor-parallel rank's KV
-    blocks and bytes (labelled `rank="0"`, ...; one rank without tensor parallelism).
+    requests running/waiting, the server's request, token and step counters (steps by kind, positions computed and
+    pad positions among them), and each tensor-parallel rank's KV blocks and bytes (labelled `rank="0"`, ...; one
+    rank without tensor parallelism).
 
     Example:
 
