@@ -25,7 +25,9 @@ REPO = BENCHMARKS.parent
 def run(script: str, args: list[str], package_root: Path) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(package_root), str(BENCHMARKS)])}
     command = [sys.executable, str(BENCHMARKS / script), *args]
-    result = subprocess.run(command, env=env, cwd=BENCHMARKS, capture_output=True, text=True, check=True)
+    result = subprocess.run(command, env=env, cwd=BENCHMARKS, capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed under {package_root}:\n{result.stderr[-3000:]}")
     return result.stdout
 
 

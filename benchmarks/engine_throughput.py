@@ -82,8 +82,10 @@ def run_engine(model, requests, budget_tokens: int, block_size: int):
     hook.remove()
     ceiling = ceiling_seconds(model, shapes, model.config.vocab_size)
     stats = engine.last_stats
-    waste = f"{stats.pad_share:.1%}"
-    kinds = f"{stats.prefill_steps} prefill, {stats.decode_steps} decode, {stats.mixed_steps} mixed steps"
+    pad_share = getattr(stats, "pad_share", None)  # (versions before packed steps did not count pads)
+    waste = "-" if pad_share is None else f"{pad_share:.1%}"
+    mixed = getattr(stats, "mixed_steps", 0)
+    kinds = f"{stats.prefill_steps} prefill, {stats.decode_steps} decode, {mixed} mixed steps"
     extra = (
         f"{stats.preemptions} preemptions, {kinds}, peak {stats.peak_blocks} blocks, "
         f"{elapsed / max(stats.num_steps, 1) * 1e3:.2f} ms/step"

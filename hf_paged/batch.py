@@ -94,11 +94,15 @@ class QueryGroup:
     query_positions: torch.Tensor
     lengths: torch.Tensor
     key_length: int
+    causal: bool = False
     _masks: dict = field(default_factory=dict)
 
-    def mask(self, window: int | None) -> torch.Tensor:
+    def mask(self, window: int | None) -> torch.Tensor | None:
         """Boolean `[rows, 1, width, key_length]`: query `j` of a row sees its row's keys up to its own position (the
-        last `window` of them for a sliding layer)."""
+        last `window` of them for a sliding layer). `None` for a group that is one whole prompt with no window in
+        reach: plain causal attention, which SDPA computes without a mask (faster on long prompts)."""
+        if self.causal and (window is None or window >= self.key_length):
+            return None
         if window not in self._masks:
             keys = torch.arange(self.key_length, device=self.lengths.device)[None, None, :]
             queries = self.query_positions[:, :, None]
@@ -155,24 +159,26 @@ class PackedRows:
 
     @staticmethod
     def _group(rows: list[int], pasts, counts, starts, device) -> QueryGroup:
-        width = max(counts[row] for row in rows)
-        slot = torch.arange(width, device=device)[None, :]
-        group_counts = torch.tensor([counts[row] for row in rows], device=device)[:, None]
-        last = torch.minimum(slot, group_counts - 1)  # spare query slots repeat the row's last token
-        unpack = torch.tensor([starts[row] for row in rows], device=device)[:, None] + last
-        token_index = torch.cat([torch.arange(starts[row], starts[row] + counts[row], device=device) for row in rows])
-        source = torch.cat([index * width + torch.arange(counts[row], device=device) for index, row in enumerate(rows)])
-        positions = torch.tensor([pasts[row] for row in rows], device=device)[:, None] + last
-        lengths = [pasts[row] + counts[row] for row in rows]
+        group_counts = [counts[row] for row in rows]
+        group_starts = [starts[row] for row in rows]
+        group_pasts = [pasts[row] for row in rows]
+        width = max(group_counts)
+        count_column = torch.tensor(group_counts, device=device)
+        start_column = torch.tensor(group_starts, device=device)
+        last = torch.minimum(torch.arange(width, device=device)[None, :], count_column[:, None] - 1)
+        unpack = start_column[:, None] + last  # spare query slots repeat the row's last token
+        real = torch.arange(width, device=device)[None, :] < count_column[:, None]  # [rows, width] real queries
+        lengths = [past + count for past, count in zip(group_pasts, group_counts)]
         return QueryGroup(
             torch.tensor(rows, device=device),
             width,
             unpack.reshape(-1),
-            token_index,
-            source,
-            positions,
+            unpack[real],  # real query slots, row by row: their packed tokens ...
+            real.reshape(-1).nonzero().squeeze(1),  # ... and their places in the [rows * width] layout
+            torch.tensor(group_pasts, device=device)[:, None] + last,
             torch.tensor(lengths, device=device),
             max(lengths),
+            causal=len(rows) == 1 and group_pasts[0] == 0,
         )
 
     @property
@@ -352,14 +358,15 @@ def address_packed(tables: list[BlockTable], counts: list[int], block_size: int,
     )
     length = max(t.num_tokens for t in tables)
     logical = torch.arange(length, device=device)[None, :]
-    lengths = torch.tensor([t.num_tokens for t in tables], device=device)[:, None]
+    lengths = torch.tensor([t.num_tokens for t in tables], device=device)
     first_live = torch.tensor(skipped, dtype=torch.long, device=device)[:, None] * block_size
-    position = torch.where(logical < lengths, torch.maximum(logical, first_live), first_live)
+    position = torch.where(logical < lengths[:, None], torch.maximum(logical, first_live), first_live)
     slot_map = blocks.gather(1, position // block_size) * block_size + position % block_size
-    written = torch.cat(
-        [
-            row * length + torch.arange(t.num_tokens - count, t.num_tokens, device=device)
-            for row, (t, count) in enumerate(zip(tables, counts))
-        ]
+    count_column = torch.tensor(counts, device=device)
+    rows = torch.repeat_interleave(torch.arange(len(tables), device=device), count_column)
+    ends = torch.repeat_interleave(lengths, count_column)  # every new token's row length ...
+    back = torch.repeat_interleave(torch.cumsum(count_column, 0), count_column) - torch.arange(
+        rows.numel(), device=device
     )
+    written = rows * length + ends - back  # ... minus how far from its row's end it is
     return Addressing(slot_map, slot_map.reshape(-1).index_select(0, written), None)

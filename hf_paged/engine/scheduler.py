@@ -155,13 +155,15 @@ class Scheduler:
 
     def _plan(self, requests: list[Request], counts: list[int], taken: bool = False) -> ForwardBatch:
         """The forward of `requests` storing `counts[i]` tokens each (their blocks taken first unless `taken`):
-        packed when `packed`, else right-aligned."""
+        packed when `packed` and the step holds prompt tokens, else right-aligned."""
         token_ids = None
         if self.planner.prefix_caching:
             starts = [r.row.num_tokens - (count if taken else 0) for r, count in zip(requests, counts)]
             token_ids = [r.token_ids[start : start + n] for r, start, n in zip(requests, starts, counts)]
         rows = [r.row for r in requests]
-        plan = self.planner.plan_packed if self.packed else self.planner.plan_step
+        # a decode-only step has no pad position either way (one token per row): it stays right-aligned, which
+        # extends the last decode step's slot maps instead of addressing every row again
+        plan = self.planner.plan_packed if self.packed and max(counts) > 1 else self.planner.plan_step
         return plan(rows, counts, token_ids, taken=taken, device=self.device)
 
     # ------------------------------------------------------------------ mixed steps (packed forwards)
