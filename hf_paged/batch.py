@@ -281,6 +281,22 @@ class ForwardBatch:
         return last
 
 
+def _live_blocks(tables: list[BlockTable], device) -> tuple[torch.Tensor, list[int]]:
+    """`[rows, max blocks]` block ids of `tables`, every skipped or missing entry replaced by the row's first live
+    block (always written, so reading it is safe; the mask hides those positions), and each table's skipped count."""
+    num_cols = max(len(t.block_ids) for t in tables)
+    skipped = [t.num_skipped for t in tables]
+    blocks = torch.tensor(
+        [
+            [t.block_ids[first]] * first + t.block_ids[first:] + [t.block_ids[first]] * (num_cols - len(t.block_ids))
+            for t, first in zip(tables, skipped)
+        ],
+        dtype=torch.long,
+        device=device,
+    )
+    return blocks, skipped
+
+
 def address_tables(
     rows: list[BlockTable],
     leading_pads: list[int],
@@ -298,16 +314,7 @@ def address_tables(
     before those are left pads or tokens the row already holds (recomputed, not written again). Rows whose `writers`
     entry is False share the blocks of another row that writes the same tokens (duplicate prompts), so their new
     tokens are not written again."""
-    num_cols = max(len(t.block_ids) for t in rows)
-    skipped = [t.num_skipped for t in rows]
-    blocks = torch.tensor(
-        [
-            [t.block_ids[first]] * first + t.block_ids[first:] + [t.block_ids[first]] * (num_cols - len(t.block_ids))
-            for t, first in zip(rows, skipped)
-        ],
-        dtype=torch.long,
-        device=device,
-    )
+    blocks, skipped = _live_blocks(rows, device)
     pads = torch.tensor(leading_pads, dtype=torch.long, device=device)
     logical = torch.arange(length, device=device)[None, :] - pads[:, None]
     first_live = torch.tensor(skipped, dtype=torch.long, device=device)[:, None] * block_size
@@ -346,16 +353,7 @@ def address_packed(tables: list[BlockTable], counts: list[int], block_size: int,
     tokens each: `slot_map[b, p]` is the slot of logical position `p` of row `b` (no left pads; positions past the
     row's end and positions its window skipped name its first live slot, hidden by the mask), and the write slots
     follow the packed order of the new tokens."""
-    num_cols = max(len(t.block_ids) for t in tables)
-    skipped = [t.num_skipped for t in tables]
-    blocks = torch.tensor(
-        [
-            [t.block_ids[first]] * first + t.block_ids[first:] + [t.block_ids[first]] * (num_cols - len(t.block_ids))
-            for t, first in zip(tables, skipped)
-        ],
-        dtype=torch.long,
-        device=device,
-    )
+    blocks, skipped = _live_blocks(tables, device)
     length = max(t.num_tokens for t in tables)
     logical = torch.arange(length, device=device)[None, :]
     lengths = torch.tensor([t.num_tokens for t in tables], device=device)

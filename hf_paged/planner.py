@@ -156,18 +156,27 @@ class ForwardPlanner:
         right-aligned: its padded length is `max(row tokens + new tokens)` and it computes the last
         `max(new_tokens)` positions; positions a row already holds inside that window are recomputed but not
         written again. Takes the blocks first unless `taken` (the caller took them with `take`/`admit`)."""
+        copies = self._take_and_record(rows, new_tokens, token_ids, taken)
+        totals = [row.num_tokens for row in rows]
+        length, num_new = max(totals), max(new_tokens)
+        for row, total in zip(rows, totals):
+            row.leading_pads = length - total
+        return self.address(rows, length - num_new, num_new, new_tokens, None, copies, device)
+
+    def _take_and_record(
+        self, rows: list[Row], new_tokens: list[int], token_ids: list[list[int]] | None, taken: bool
+    ) -> int:
+        """Take the blocks of the new tokens (unless `taken`) and record their ids in the rows; returns the blocks
+        copied on write."""
         if not rows or len(rows) != len(new_tokens) or min(new_tokens) < 1:
             raise ValueError(
                 f"a forward needs one positive new-token count per row, got {len(rows)} row(s) and {new_tokens}"
             )
-        totals = [row.num_tokens + (0 if taken else count) for row, count in zip(rows, new_tokens)]
         copies = 0 if taken else self.take(rows, new_tokens, what=f"a forward of {len(rows)} row(s)")
-        length, num_new = max(totals), max(new_tokens)
-        for index, (row, total) in enumerate(zip(rows, totals)):
-            row.leading_pads = length - total
+        for index, row in enumerate(rows):
             if row.tokens is not None:
                 row.record(None if token_ids is None else token_ids[index])
-        return self.address(rows, length - num_new, num_new, new_tokens, None, copies, device)
+        return copies
 
     def plan_packed(
         self,
@@ -180,16 +189,10 @@ class ForwardPlanner:
         """The forward of `rows`, row `i` storing `new_tokens[i]` new tokens (`token_ids[i]`, for the prefix index),
         packed into one sequence of `sum(new_tokens)` tokens with no pad position: the model computes only real
         tokens, and attention reads each row's own keys through the tables. Takes the blocks first unless `taken`."""
-        if not rows or len(rows) != len(new_tokens) or min(new_tokens) < 1:
-            raise ValueError(
-                f"a forward needs one positive new-token count per row, got {len(rows)} row(s) and {new_tokens}"
-            )
-        copies = 0 if taken else self.take(rows, new_tokens, what=f"a forward of {len(rows)} row(s)")
+        copies = self._take_and_record(rows, new_tokens, token_ids, taken)
         pasts = [row.num_tokens - count for row, count in zip(rows, new_tokens)]
-        for index, row in enumerate(rows):
+        for row in rows:
             row.leading_pads = 0
-            if row.tokens is not None:
-                row.record(None if token_ids is None else token_ids[index])
         size = self.pool.block_size
         addressing = [
             address_packed([row.tables[group] for row in rows], new_tokens, size, device)

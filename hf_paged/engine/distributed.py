@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..pool import PoolStats
-from .engine import Engine, Prompt
+from .engine import Engine, Prompt, outputs_until_finished
 from .params import SamplingParams
 from .request import RequestOutput
 from .stats import EngineStats
@@ -392,12 +392,7 @@ class DistributedEngine:
     def _until_done(self, ids: list[str]) -> Iterator[RequestOutput]:
         pending = set(ids)
         try:
-            while pending:
-                for output in self.step():
-                    if output.request_id in pending:
-                        if output.finished:
-                            pending.discard(output.request_id)
-                        yield output
+            yield from outputs_until_finished(self.step, pending)
         finally:
             if self.failed is None and not self._closed:
                 for request_id in pending:

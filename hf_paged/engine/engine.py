@@ -348,12 +348,7 @@ class Engine:
         ids = [self.add_request(p, c, **options) for p, c in zip(prompts, configs)]
         pending = set(ids)
         try:
-            while pending:
-                for output in self.step():
-                    if output.request_id in pending:
-                        if output.finished:
-                            pending.discard(output.request_id)
-                        yield output
+            yield from outputs_until_finished(self.step, pending)
         finally:
             with self._lock:
                 for request_id in pending:  # the caller stopped listening: nobody needs their final report
@@ -472,6 +467,17 @@ class Engine:
                 f"the prompt has {len(ids)} tokens; the model's context window is {self.max_context} tokens"
             )
         return ids
+
+
+def outputs_until_finished(step, pending: set[str]) -> Iterator[RequestOutput]:
+    """The outputs of the `pending` requests as `step()` produces them, until every one has finished; `pending` is
+    left holding the ids not finished yet (for the caller to abort when the iterator is closed early)."""
+    while pending:
+        for output in step():
+            if output.request_id in pending:
+                if output.finished:
+                    pending.discard(output.request_id)
+                yield output
 
 
 def _pad_token_id(model, tokenizer) -> int:
