@@ -159,9 +159,13 @@ class BatchCache(Cache, ForwardBoundCache):
             )
         if batch.packed is not None and not inputs.reads_tables:
             raise ValueError("a packed batch needs the 'hf_paged' attention, which reads each row through its table")
+        self._follow_inputs(inputs)
+        batch.reads_tables = inputs.reads_tables
+
+    def _follow_inputs(self, inputs: ForwardInputs) -> None:
+        """Stop prefix caching for good when the forward's K/V depend on more than its token ids."""
         if inputs.beyond_token_ids and self.prefix_caching:
             self.stop_prefix_caching()
-        batch.reads_tables = inputs.reads_tables
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write layer `layer_idx`'s new K/V (`[batch, num_kv_heads, new positions, head_dim]`) through the running

@@ -174,8 +174,7 @@ class PagedCache(BatchCache):
         self._settle()
         self._check_model(model)
         self._check_finished_forward()
-        if inputs.beyond_token_ids and self.prefix_caching:
-            self.stop_prefix_caching()
+        self._follow_inputs(inputs)
         self._batch, self._pending = None, None
         if inputs.shape is None:
             self._pending = inputs  # planned at the first write, from the shape of the K/V

@@ -109,7 +109,9 @@ class ForwardPlanner:
         between chunks) and `keep_free` more; else `PoolExhaustedError`, nothing taken."""
         rest = 0
         if chunk < num_new:
-            whole = [(table, num_new if window is None else chunk) for table, window in zip(row.tables, self._windows)]
+            whole = [
+                (table, num_new if window is None else chunk) for table, window in zip(row.tables, self.layout.windows)
+            ]
             rest = self.pool.blocks_needed(whole) - self.pool.blocks_needed(row.appends(chunk))
         what = f"a prompt of {num_new} token(s)" if chunk == num_new else f"a prompt chunk of {chunk} token(s)"
         return self.take([row], [chunk], what=what, keep_free=keep_free + rest)
@@ -120,7 +122,7 @@ class ForwardPlanner:
         window and one chunk (skipped blocks go back before each forward)."""
         size = self.pool.block_size
         total = 0
-        for window in self._windows:
+        for window in self.layout.windows:
             blocks = -(-(num_tokens + 1) // size)
             if window is not None:
                 blocks = min(blocks, -(-(window - 1 + chunk) // size) + 1)
@@ -138,10 +140,6 @@ class ForwardPlanner:
             f"the request needs {blocks} blocks of {self.pool.block_size} tokens{groups} for its {num_tokens} tokens "
             f"and the next one, but the whole pool has {self.pool.num_blocks} blocks"
         )
-
-    @property
-    def _windows(self) -> list[int | None]:
-        return self.layout.windows
 
     # ------------------------------------------------------------------ forwards
     def plan_step(

@@ -51,7 +51,7 @@ def test_engine_soak_with_aborts_and_a_half_sized_pool(attention):
             assert output.finish_reason == "length" and output.token_ids == reference[index][:new], output
             completed += 1
         steps += 1
-        if rng.random() < 0.3:  # abort a random request, queued or running
+        if rng.random() < 0.35:  # abort a random request, queued or running
             live = [r for r in list(engine._requests) if not engine._requests[r].finished]
             if live:
                 held = allocator.num_used
@@ -60,7 +60,7 @@ def test_engine_soak_with_aborts_and_a_half_sized_pool(attention):
         allocator.check_invariants()
         assert allocator.num_used <= NUM_BLOCKS
     stats = engine.stats()
-    assert completed + aborted == NUM_REQUESTS and aborted > (40 if attention == "hf_paged" else 50)
+    assert completed + aborted == NUM_REQUESTS and aborted > 50
     assert allocator.num_used == 0 and not engine.has_unfinished_requests()
     assert stats.prefix_hit_rate > 0.1
     if attention == "sdpa":
