@@ -3,16 +3,20 @@ and what chunking costs the long request's time to first token.
 
 `--running` requests (prompts of 32 random tokens, `--new` new tokens each, greedy) are decoding when one request
 with a prompt of `--long` random tokens arrives. The Engine runs with `max_prefill_tokens` = each value of
-`--budgets` (a value >= `--long` prefills the long prompt in one step). Per run: the longest gap between two tokens
-of any running request after the long request arrived, the median gap, the long request's time to first token, and
-the total wall time; outputs are checked to be the same for every budget.
+`--budgets` (a value >= `--long` prefills the long prompt in one step) and `max_num_batched_tokens` = each value of
+`--step-budgets` (tokens in one step while requests decode; "default" leaves the Engine's default; versions of
+hf_paged without it run the first value only). Per run: the longest gap between two tokens of any running request
+after the long request arrived, the median gap, the long request's time to first token, and the total wall time;
+outputs are checked to be the same for every budget.
 
 Usage: python benchmarks/chunked_prefill.py [--model smollm2|tiny] [--long 2048] [--budgets 4096 512 256]
+       [--step-budgets default 256]
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import time
 
@@ -22,12 +26,13 @@ from common import environment, load_model, markdown_table
 import hf_paged
 
 
-def run(model, budget: int, running: int, long: int, new: int):
+def run(model, budget: int, step_budget: int | None, running: int, long: int, new: int):
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     shorts = [torch.randint(3, vocab, (32,), generator=generator).tolist() for _ in range(running)]
     long_prompt = torch.randint(3, vocab, (long,), generator=generator).tolist()
-    engine = hf_paged.Engine(model, block_size=16, max_prefill_tokens=budget, prefix_caching=False)
+    step = {} if step_budget is None else {"max_num_batched_tokens": step_budget}
+    engine = hf_paged.Engine(model, block_size=16, max_prefill_tokens=budget, prefix_caching=False, **step)
     options = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False}
     ids = [engine.add_request(p, **options) for p in shorts]
     started: set[str] = set()
@@ -60,33 +65,38 @@ def main() -> None:
     parser.add_argument("--long", type=int, default=2048)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--budgets", nargs="+", type=int, default=[4096, 512, 256])
+    parser.add_argument("--step-budgets", nargs="+", default=["default", "256"])
     args = parser.parse_args()
     model, label = load_model(args.model)
     print(f"{label}; {environment()}\n")
+    supported = "max_num_batched_tokens" in inspect.signature(hf_paged.Engine).parameters
+    default = inspect.signature(hf_paged.Engine).parameters.get("max_num_batched_tokens")
+    step_budgets = [None if b == "default" else int(b) for b in args.step_budgets][: None if supported else 1]
     rows, reference = [], None
     for budget in args.budgets:
-        outputs, worst, median, ttft, total = run(model, budget, args.running, args.long, args.new)
-        reference = reference or outputs
-        chunks = -(-args.long // budget)
-        rows.append(
-            [
-                budget,
-                chunks,
-                f"{worst * 1000:.0f}",
-                f"{median * 1000:.0f}",
-                f"{ttft:.2f}",
-                f"{total:.1f}",
-                "yes" if outputs == reference else "NO",
-            ]
-        )
-        print(rows[-1], flush=True)
+        for step_budget in step_budgets:
+            outputs, worst, median, ttft, total = run(model, budget, step_budget, args.running, args.long, args.new)
+            reference = reference or outputs
+            shown = "-" if not supported else default.default if step_budget is None else step_budget
+            rows.append(
+                [
+                    budget,
+                    shown,
+                    f"{worst * 1000:.0f}",
+                    f"{median * 1000:.0f}",
+                    f"{ttft:.2f}",
+                    f"{total:.1f}",
+                    "yes" if outputs == reference else "NO",
+                ]
+            )
+            print(rows[-1], flush=True)
     print(
         f"\n{args.running} requests decoding (32-token prompts, {args.new} new tokens) when a {args.long}-token prompt "
         "arrives; block size 16\n"
     )
     headers = [
         "max_prefill_tokens",
-        "chunks",
+        "max_num_batched_tokens",
         "longest wait for a token, ms",
         "median, ms",
         "long request TTFT, s",

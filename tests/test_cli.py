@@ -22,6 +22,8 @@ def test_engine_limits_are_options():
     args = build_parser().parse_args(["serve", "m", "--max-batch-size", "8", "--max-prefill-tokens", "512"])
     assert (args.max_batch_size, args.max_prefill_tokens) == (8, 512)
     assert build_parser().parse_args(["serve", "m"]).max_prefill_tokens == 4096
+    assert build_parser().parse_args(["serve", "m"]).max_num_batched_tokens == 512
+    assert build_parser().parse_args(["serve", "m", "--max-num-batched-tokens", "128"]).max_num_batched_tokens == 128
 
 
 def test_num_blocks_and_max_memory_are_exclusive(capsys):

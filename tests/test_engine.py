@@ -70,22 +70,33 @@ def test_greedy_matches_generate_alone(model, workload, num_blocks):
         assert stats.preemptions == 0 and stats.prefill_steps == 1
 
 
-@pytest.mark.parametrize("max_prefill_tokens", [7, 16])
-def test_chunked_prefill_matches_generate_alone(model, workload, max_prefill_tokens):
-    # prompts of up to 40 tokens in chunks of 7 or 16, among requests that keep decoding; sampled requests too
+@pytest.mark.parametrize(("max_prefill_tokens", "max_num_batched_tokens"), [(7, 512), (16, 512), (4096, 30)])
+def test_chunked_prefill_matches_generate_alone(model, workload, max_prefill_tokens, max_num_batched_tokens):
+    # prompts of up to 40 tokens in chunks of 7 or 16, among requests that keep decoding; sampled requests too.
+    # (4096, 30): chunks are what 30 tokens a step leave next to the decoding requests, a different size each step
     prompts, news, expected = workload
     options = {"block_size": 4, "num_blocks": 512, "prefix_caching": False}  # every prompt token is computed
-    engine = Engine(model, max_prefill_tokens=max_prefill_tokens, **options)
-    ids = [engine.add_request(p, max_new_tokens=n, min_new_tokens=n) for p, n in zip(prompts[:24], news)]
+    budgets = {"max_prefill_tokens": max_prefill_tokens, "max_num_batched_tokens": max_num_batched_tokens}
+    engine = Engine(model, max_batch_size=25, **budgets, **options)
+    ids = [engine.add_request(prompts[0], max_new_tokens=news[0], min_new_tokens=news[0])]
+    engine.step()  # the others arrive while the first decodes
+    ids += [engine.add_request(p, max_new_tokens=n, min_new_tokens=n) for p, n in zip(prompts[1:24], news[1:])]
     sampled = engine.add_request(prompts[0], max_new_tokens=10, do_sample=True, top_k=20, seed=5)
-    finals = drive(engine)
+    finals, step_sizes = {}, []
+    while engine.has_unfinished_requests():
+        before = engine.stats().positions_computed
+        finals.update((o.request_id, o) for o in engine.step() if o.finished)
+        step_sizes.append(engine.stats().positions_computed - before)
+        engine.pool.check_invariants()
     assert [finals[i].token_ids for i in ids] == expected[:24]
     [solo] = Engine(model, **options).generate([prompts[0]], max_new_tokens=10, do_sample=True, top_k=20, seed=5)
     assert finals[sampled].token_ids == solo.token_ids
     stats = engine.stats()
-    chunks = sum(-(-len(p) // max_prefill_tokens) for p in prompts[:24] if len(p) > max_prefill_tokens)
+    chunk = min(max_prefill_tokens, max_num_batched_tokens)
+    chunks = sum(-(-len(p) // chunk) for p in prompts[1:24] if len(p) > chunk)
     # every chunk is a step carrying prompt tokens: prompt tokens alone, or with decoding requests' (mixed)
     assert stats.prefill_steps + stats.mixed_steps >= chunks and stats.generated_tokens == sum(news[:24]) + 10
+    assert max(step_sizes[1:]) <= max_num_batched_tokens  # every step after the first had a request decoding
     assert engine.pool.stats().num_used == 0
 
 
@@ -354,6 +365,8 @@ def test_unknown_option_and_bad_engine_settings(model):
         engine.add_request([1, 2], beams=4)
     with pytest.raises(ValueError, match="max_batch_size must be a positive int, got 0"):
         Engine(model, max_batch_size=0, block_size=4, num_blocks=32)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\) must be at least max_batch_size \(16\)"):
+        Engine(model, max_batch_size=16, max_num_batched_tokens=8, block_size=4, num_blocks=32)
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request([1, 2], request_id="a")
         engine.add_request([1, 2], request_id="a")

@@ -228,3 +228,54 @@ def test_mixed_step_admission_counts_real_prompt_tokens_against_the_budget():
     run(scheduler, step)
     step, _ = scheduler.schedule()
     assert (step.kind, names(step.requests), step.new_tokens) == ("mixed", ["a", "b", "c"], [1, 1, 2])
+
+
+def test_a_step_with_decoding_requests_holds_at_most_max_num_batched_tokens():
+    scheduler, allocator = scheduler_over(64, 4, None, max_prefill_tokens=12, max_num_batched_tokens=5)
+    scheduler.packed = True
+    short_a, short_b, long = request("a", 2), request("b", 3), request("long", 20)
+    scheduler.add(long)
+    step, _ = scheduler.schedule()
+    # nothing decodes: the first chunk takes the whole prefill budget (12), not the step budget (5)
+    assert (step.kind, names(step.requests), step.new_tokens) == ("prefill", ["long"], [12])
+    run(scheduler, step)
+    scheduler.add(short_a)
+    scheduler.add(short_b)
+    plan = []
+    for _ in range(5):
+        step, failed = scheduler.schedule()
+        assert not failed and (sum(step.new_tokens) <= 5 or step.kind == "prefill")
+        plan.append((step.kind, names(step.requests), step.new_tokens))
+        run(scheduler, step)
+        allocator.check_invariants()
+    assert plan == [
+        ("prefill", ["long"], [8]),  # still nothing decoding: the rest of the prompt in one chunk
+        ("mixed", ["long", "a"], [1, 2]),  # 1 decode token leaves 4 prompt tokens: b's 3 do not fit after a's 2
+        ("mixed", ["long", "a", "b"], [1, 1, 3]),  # 2 decoding: 3 prompt tokens, b's whole prompt
+        ("decode", ["long", "a", "b"], [1, 1, 1]),
+        ("decode", ["long", "a", "b"], [1, 1, 1]),
+    ]
+
+
+def test_the_step_budget_leaves_prompt_tokens_only_what_decoding_requests_do_not_take():
+    scheduler, _ = scheduler_over(64, 4, None, max_prefill_tokens=100, max_num_batched_tokens=10)
+    assert [scheduler.prompt_budget(n) for n in (0, 1, 9, 10, 11)] == [100, 9, 1, 0, 0]
+    scheduler.max_num_batched_tokens = 1000
+    assert scheduler.prompt_budget(3) == 100  # never more than max_prefill_tokens
+
+
+def test_a_long_prompt_arriving_while_requests_decode_is_chunked_by_the_step_budget():
+    scheduler, allocator = scheduler_over(64, 4, None, max_prefill_tokens=100, max_num_batched_tokens=4)
+    scheduler.packed = True
+    short, long = request("short", 3), request("long", 10)
+    scheduler.add(short)
+    run(scheduler, scheduler.schedule()[0])
+    scheduler.add(long)
+    plan = []
+    while not long.output_token_ids:
+        step, _ = scheduler.schedule()
+        plan.append(step.new_tokens)
+        run(scheduler, step)
+    # the prefill budget (100) would take the whole prompt in one step: the step budget gives it 4 - 1 a step
+    assert plan == [[1, 3], [1, 3], [1, 3], [1, 1]]
+    allocator.check_invariants()

@@ -29,19 +29,25 @@ Prompt = str | Sequence[int]
 class Engine:
     """Serve many prompts at once on one model: requests join and leave the running batch every step.
 
-    Every step either prefills newly admitted requests (reusing cached prompt prefixes; a prompt longer than
-    `max_prefill_tokens` a chunk per step, between decode steps) or decodes one token for every running request,
-    as one batch of the stock model forward over a `PagedCache`: rows keep their own lengths and no padding is
-    stored. Requests hold blocks only for the tokens they have; finished or aborted requests free
-    them the same step; when the pool runs out mid-decode the most recently admitted request is preempted and later
-    recomputed, with the same output.
+    Every step is one forward of the stock model over the engine's paged cache. Under hf_paged's attention (the
+    default for SDPA models) a step packs one token of every decoding request together with prompt tokens of
+    newly admitted requests (or the next chunk of a long prompt) into one sequence with no pad position, within
+    `max_num_batched_tokens` tokens; with no request decoding it prefills up to `max_prefill_tokens` prompt
+    tokens. Under a stock attention (eager models) a step either prefills or decodes, rows right-aligned. Cached
+    prompt prefixes are reused. Requests hold blocks only for the tokens they have; finished or aborted requests
+    free them the same step; when the pool runs out mid-decode the most recently admitted request is preempted and
+    later recomputed, with the same output.
 
     Args:
         model (`PreTrainedModel`): a decoder-only model; its global pool is used (`hf_paged.get_pool`).
         tokenizer (*optional*): needed for string prompts, `text` in outputs and stop strings.
         max_batch_size (`int`): most requests running at once.
-        max_prefill_tokens (`int`): most padded positions in one prefill forward; a longer prompt is prefilled in
-            chunks of this many tokens, between decode steps of the other requests.
+        max_prefill_tokens (`int`): most prompt tokens in one step (padded positions, rows x width, under a stock
+            attention); a longer prompt is prefilled in chunks.
+        max_num_batched_tokens (`int`): most tokens in one packed step while requests decode (their tokens plus
+            prompt tokens), so a long prompt delays the decoding requests by at most one such step per token; at
+            least `max_batch_size`. Raise it where a forward over many tokens costs little more than over few (a
+            GPU); lower it for shorter stalls.
         progress (`bool`, *optional*): tqdm bar in `generate`; by default only when stderr is a terminal.
         **cache_config: pool options (`block_size`, `num_blocks`, `max_memory`, `prefix_caching`, ...).
 
@@ -71,12 +77,23 @@ class Engine:
         *,
         max_batch_size: int = 64,
         max_prefill_tokens: int = 4096,
+        max_num_batched_tokens: int = 512,
         progress: bool | None = None,
         **cache_config,
     ):
-        for name, value in (("max_batch_size", max_batch_size), ("max_prefill_tokens", max_prefill_tokens)):
+        limits = {
+            "max_batch_size": max_batch_size,
+            "max_prefill_tokens": max_prefill_tokens,
+            "max_num_batched_tokens": max_num_batched_tokens,
+        }
+        for name, value in limits.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if max_num_batched_tokens < max_batch_size:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_batch_size "
+                f"({max_batch_size}): a step holds one token of every running request"
+            )
         self.model = model
         self.tokenizer = tokenizer
         self.progress = progress
@@ -89,7 +106,9 @@ class Engine:
         self.max_context = getattr(text_config, "max_position_embeddings", None)
         self.pad_token_id = _pad_token_id(model, tokenizer)
         self.device = model.get_input_embeddings().weight.device
-        self.scheduler = Scheduler(self.planner, max_batch_size, max_prefill_tokens, self.device)
+        self.scheduler = Scheduler(
+            self.planner, max_batch_size, max_prefill_tokens, self.device, max_num_batched_tokens
+        )
         self._keep_last_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._lock = threading.RLock()
         self._requests: dict[str, Request] = {}

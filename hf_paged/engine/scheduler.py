@@ -49,11 +49,16 @@ class Scheduler:
         max_batch_size (`int`): most requests running at once.
         max_prefill_tokens (`int`): most padded positions (rows x width) in one prefill forward; a longer prompt
             is admitted alone and prefilled in chunks of this many tokens.
+        max_num_batched_tokens (`int`): most tokens in one packed step while requests decode: one per decoding
+            request plus prompt tokens (a chunk, or admitted prompts), so a long prompt does not stall the decoding
+            requests for more than one such step. A step with no decoding request takes up to `max_prefill_tokens`
+            prompt tokens. Padded steps (stock attention) do not use it.
         device (`torch.device | str`): where the batches' index tensors go (the model's input device).
 
     Attributes:
         packed (`bool`): plan packed forwards (no pad position, `ForwardPlanner.plan_packed`) and **mixed steps**:
-            every decoding request's next token and up to `max_prefill_tokens` prompt tokens in one forward. The
+            every decoding request's next token and prompt tokens up to `max_num_batched_tokens` tokens in all (up
+            to `max_prefill_tokens` prompt tokens when no request decodes) in one forward. The
             Engine sets it when its attention reads the block tables (`"hf_paged"`); otherwise steps are either
             prefill or decode, right-aligned.
 
@@ -81,11 +86,13 @@ class Scheduler:
         max_batch_size: int = 64,
         max_prefill_tokens: int = 4096,
         device="cpu",
+        max_num_batched_tokens: int = 512,
     ):
         self.planner = planner
         self.pool = planner.pool
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.device = device
         self.packed = False  # plan packed, mixed steps (set by the Engine when its attention reads the tables)
         self.waiting: deque[Request] = deque()
@@ -127,7 +134,7 @@ class Scheduler:
             if not others_decode and (step := self._chunk_step(partial, failed)) is not None:
                 return step
         else:
-            admitted, chunks = self._admit(failed)
+            admitted, chunks = self._admit(failed, self.max_prefill_tokens)
             if admitted:
                 return Step("prefill", admitted, chunks, tuple(admitted), self._plan(admitted, chunks, taken=True))
         step = self._decode_step(failed)
@@ -142,8 +149,8 @@ class Scheduler:
         being prefilled."""
         return request.num_tokens - request.row.num_tokens
 
-    def _chunk(self, request: Request) -> int:
-        return min(self.pending_tokens(request), self.max_prefill_tokens)
+    def _chunk(self, request: Request, budget: int | None = None) -> int:
+        return min(self.pending_tokens(request), self.max_prefill_tokens if budget is None else budget)
 
     def _decoding(self) -> list[Request]:
         return [r for r in self.running if self.pending_tokens(r) == 1]
@@ -169,14 +176,17 @@ class Scheduler:
     # ------------------------------------------------------------------ mixed steps (packed forwards)
     def _mixed_step(self, failed: list[Request]) -> Step | None:
         """One packed forward: a token for every decoding request (the most recently admitted ones preempted while
-        the pool cannot hold them), then up to `max_prefill_tokens` prompt tokens: the next chunk of a prompt being
-        prefilled, or the first chunks of newly admitted requests."""
+        the pool cannot hold them), then prompt tokens within the step's budget (`prompt_budget`): the next chunk
+        of a prompt being prefilled, or the first chunks of newly admitted requests."""
         decoding = self._take_decodes(failed)
         requests, counts = list(decoding), [1] * len(decoding)
         admitted: list[Request] = []
+        budget = self.prompt_budget(len(decoding))
         partial = next((r for r in self.running if r not in decoding and self.pending_tokens(r) > 1), None)
-        if partial is not None:
-            chunk = self._chunk(partial)
+        if budget == 0:
+            pass  # the decoding requests fill the step
+        elif partial is not None:
+            chunk = self._chunk(partial, budget)
             try:
                 self.planner.take([partial.row], [chunk], what=f"a prompt chunk of {chunk} token(s)")
                 requests.append(partial)
@@ -187,7 +197,7 @@ class Scheduler:
                 else:
                     self._preempt(partial)
         else:
-            admitted, chunks = self._admit(failed)
+            admitted, chunks = self._admit(failed, budget)
             requests += admitted
             counts += chunks
         if not requests:
@@ -195,6 +205,14 @@ class Scheduler:
         prefills = len(requests) - len(decoding)
         kind = "decode" if not prefills else "prefill" if not decoding else "mixed"
         return Step(kind, requests, counts, tuple(admitted), self._plan(requests, counts, taken=True))
+
+    def prompt_budget(self, num_decoding: int) -> int:
+        """Prompt tokens a packed step may carry next to `num_decoding` decoding requests' tokens:
+        `max_prefill_tokens` when none decodes, else what `max_num_batched_tokens` leaves (at most
+        `max_prefill_tokens`)."""
+        if not num_decoding:
+            return self.max_prefill_tokens
+        return max(0, min(self.max_prefill_tokens, self.max_num_batched_tokens - num_decoding))
 
     def _take_decodes(self, failed: list[Request]) -> list[Request]:
         """Take one token's blocks for every decoding request; while the pool cannot hold them all, the most
@@ -215,8 +233,9 @@ class Scheduler:
         return []
 
     # ------------------------------------------------------------------ admission
-    def _admit(self, failed: list[Request]) -> tuple[list[Request], list[int]]:
-        """Admit waiting requests, taking the blocks of their first prefill chunk; returns them and those chunks."""
+    def _admit(self, failed: list[Request], budget: int) -> tuple[list[Request], list[int]]:
+        """Admit waiting requests, taking the blocks of their first prefill chunk, within `budget` prompt tokens
+        (packed) or padded positions; returns them and those chunks."""
         planner = self.planner
         decoding = [r for r in self.running if self.pending_tokens(r) <= 1]  # a packed step took theirs already
         reserve = planner.blocks_needed([r.row for r in decoding], [1] * len(decoding))
@@ -234,11 +253,11 @@ class Scheduler:
                 continue
             row = self._new_row(tokens)
             new = len(tokens) - row.num_tokens
-            chunk = min(new, self.max_prefill_tokens)
+            chunk = min(new, budget)
             over_budget = (
-                width + chunk > self.max_prefill_tokens  # packed: real prompt tokens
+                width + chunk > budget  # packed: real prompt tokens
                 if self.packed
-                else (len(admitted) + 1) * max(width, chunk) > self.max_prefill_tokens  # padded positions
+                else (len(admitted) + 1) * max(width, chunk) > budget  # padded positions
             )
             if admitted and over_budget:
                 self.pool.free_rows([row])

@@ -40,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-prefill-tokens", type=int, default=4096, help="tokens per prefill forward; longer prompts are chunked"
     )
     serve.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        help="tokens per step while requests decode (theirs plus prompt tokens): bounds how long a prompt stalls them",
+    )
+    serve.add_argument(
         "--api-key",
         default=None,
         help=f"require `Authorization: Bearer KEY` on /v1/* routes (default: ${API_KEY_ENV}, which keeps the key "
@@ -178,6 +184,7 @@ def serve(args) -> None:
         tokenizer,
         max_batch_size=args.max_batch_size,
         max_prefill_tokens=args.max_prefill_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         progress=False,
         **pool_options,
     )
