@@ -106,22 +106,48 @@ def paged_attention_forward(
     if paged_cache is not None and paged_cache.reads_tables_in_attention():
         layer_idx = getattr(module, "layer_idx", None)
         packed = paged_cache.packed_rows()
-        key, value = paged_cache.read_layer(layer_idx)
         if packed is not None:
             return _packed_attention(
-                module,
-                query,
-                key,
-                value,
-                packed,
-                paged_cache.layer_window(layer_idx),
-                scaling,
-                dropout,
-                softcap,
-                s_aux,
-                **kwargs,
+                module, query, paged_cache, layer_idx, packed, scaling, dropout, softcap, s_aux, **kwargs
             )
+        if _groups_possible(query, attention_mask, softcap, s_aux, kwargs):
+            groups = paged_cache.key_groups()
+            if groups is not None:
+                return _grouped_attention(
+                    module, query, paged_cache, layer_idx, groups, attention_mask, scaling, dropout, **kwargs
+                )
+        key, value = paged_cache.read_layer(layer_idx)
     return _attention(module, query, key, value, attention_mask, scaling, dropout, softcap, s_aux, **kwargs)
+
+
+def _groups_possible(query, attention_mask, softcap, s_aux, kwargs) -> bool:
+    """Whether a right-aligned forward's rows may attend in key groups: one query per row (a decode step) with a
+    per-row mask, under SDPA (no attention probabilities to return, no soft-capping or sinks)."""
+    return (
+        query.shape[2] == 1
+        and attention_mask is not None
+        and attention_mask.shape[0] == query.shape[0]
+        and softcap is None
+        and s_aux is None
+        and not kwargs.get("output_attentions")
+    )
+
+
+def _grouped_attention(module, query, paged_cache, layer_idx, groups, attention_mask, scaling, dropout, **kwargs):
+    """Attention of a right-aligned forward whose rows read their keys in groups (`BatchCache.key_groups`): each
+    group reads only the positions from its longest row's first one on, under the matching columns of the mask."""
+    output = None
+    for group in groups:
+        key, value = paged_cache.read_layer(layer_idx, group.rows, group.start)
+        mask = attention_mask.index_select(0, group.rows)
+        mask = mask[..., mask.shape[-1] - key.shape[2] :]
+        out, _ = _attention(
+            module, query.index_select(0, group.rows), key, value, mask, scaling, dropout, None, None, **kwargs
+        )
+        if output is None:
+            output = out.new_empty(query.shape[0], *out.shape[1:])
+        output.index_copy_(0, group.rows, out)
+    return output, None
 
 
 def _attention(module, query, key, value, attention_mask, scaling, dropout, softcap, s_aux, **kwargs):
@@ -140,20 +166,19 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, soft
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
-def _packed_attention(module, query, key, value, packed, window, scaling, dropout, softcap, s_aux, **kwargs):
+def _packed_attention(module, query, paged_cache, layer_idx, packed, scaling, dropout, softcap, s_aux, **kwargs):
     """Attention of a packed forward: `query` is `[1, heads, T, head_dim]` (every row's new tokens one after
-    another), `key`/`value` are `[rows, kv_heads, length, head_dim]` read through each row's table. Each query group
-    (`PackedRows.groups`) lays its rows' queries out as `[rows, heads, width, head_dim]`, attends to those rows' keys
-    under its mask, and its outputs go back to their packed places: `[1, T, heads, head_dim]`."""
+    another). Each query group (`PackedRows.groups`) lays its rows' queries out as `[rows, heads, width, head_dim]`,
+    reads its rows' keys through their tables up to its longest row, attends under its mask, and its outputs go
+    back to their packed places: `[1, T, heads, head_dim]`."""
     num_heads, head_dim = query.shape[1], query.shape[-1]
+    window = paged_cache.layer_window(layer_idx)
     output = query.new_empty(query.shape[2], num_heads, head_dim)
     whole = len(packed.groups) == 1
     for group in packed.groups:
         rows, width = group.rows.numel(), group.width
         per_row = query[0].index_select(1, group.unpack_index).view(num_heads, rows, width, head_dim).transpose(0, 1)
-        keys = key if whole else key.index_select(0, group.rows)
-        values = value if whole else value.index_select(0, group.rows)
-        keys, values = keys[:, :, : group.key_length], values[:, :, : group.key_length]
+        keys, values = paged_cache.read_layer(layer_idx, None if whole else group.rows, 0, group.key_length)
         out, _ = _attention(
             module, per_row, keys, values, group.mask(window), scaling, dropout, softcap, s_aux, **kwargs
         )

@@ -9,6 +9,7 @@ import torch
 
 from .allocator import BlockTable
 from .groups import KVLayout
+from .key_groups import split_by_length
 from .rows import Row
 from .storage import KVStorage, head_rows
 
@@ -51,14 +52,19 @@ class Addressing:
     write_slots: torch.Tensor
     write_index: torch.Tensor | None
     _moved: dict = field(default_factory=dict)
-    _head_rows: dict = field(default_factory=dict)
+    _read_indexes: dict = field(default_factory=dict)
 
-    def head_rows(self, num_heads: int, first: int) -> torch.Tensor:
-        """`storage.head_rows` of `slot_map[:, first:]`, computed once per forward for all layers alike."""
-        key = (num_heads, first)
-        if key not in self._head_rows:
-            self._head_rows[key] = head_rows(self.slot_map[:, first:], num_heads)
-        return self._head_rows[key]
+    def read_index(
+        self, num_heads: int, first: int, stop: int | None = None, rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(slots, storage.head_rows(slots))` of positions `first .. stop - 1` of `rows` (default: all), computed
+        once per forward for all layers alike (`rows` must live as long as the forward)."""
+        key = (num_heads, first, stop, None if rows is None else id(rows))
+        if key not in self._read_indexes:
+            slots = self.slot_map if rows is None else self.slot_map.index_select(0, rows)
+            slots = slots[:, first:stop]
+            self._read_indexes[key] = slots, head_rows(slots, num_heads)
+        return self._read_indexes[key]
 
     def on(self, device: torch.device) -> Addressing:
         """This addressing with its index tensors on `device` (for models whose layers sit on several devices)."""
@@ -68,6 +74,15 @@ class Addressing:
             index = None if self.write_index is None else self.write_index.to(device)
             self._moved[device] = Addressing(self.slot_map.to(device), self.write_slots.to(device), index)
         return self._moved[device]
+
+
+@dataclass(frozen=True)
+class KeyGroup:
+    """Rows of a right-aligned forward that read their keys together, from padded position `start` on (their
+    longest row's first position)."""
+
+    rows: torch.Tensor
+    start: int
 
 
 @dataclass
@@ -131,7 +146,8 @@ class PackedRows:
 
     Rows are grouped by their number of new tokens (`grouping="log2"`: counts within a factor of 2 share a group, so
     every decoding row is in one group and a long prompt chunk does not pad the decoding rows' queries to its
-    width); each group attends in one call over its rows' keys.
+    width), and, given a group `cost`, each such group is split by the rows' lengths (`key_groups.split_by_length`:
+    short rows do not read up to the longest row's length); each group attends in one call over its rows' keys.
 
     Attributes:
         counts (`list[int]`): new tokens of every row, in row order (`T = sum(counts)`).
@@ -144,8 +160,11 @@ class PackedRows:
     groups: list[QueryGroup]
 
     @classmethod
-    def of(cls, pasts: list[int], counts: list[int], device, grouping: str = "log2") -> PackedRows:
-        """The packing of rows holding `pasts[i]` tokens before the forward and storing `counts[i]` new ones."""
+    def of(
+        cls, pasts: list[int], counts: list[int], device, grouping: str = "log2", cost: int | None = None
+    ) -> PackedRows:
+        """The packing of rows holding `pasts[i]` tokens before the forward and storing `counts[i]` new ones (`cost`:
+        of one more group, in key positions; `None`: no split by length)."""
         if grouping not in GROUPINGS:
             raise ValueError(f"grouping must be one of {GROUPINGS}, got {grouping!r}")
         starts = [0]
@@ -154,7 +173,13 @@ class PackedRows:
         members: dict[int, list[int]] = {}
         for row, count in enumerate(counts):
             members.setdefault(_group_key(grouping, row, count), []).append(row)
-        groups = [cls._group(rows, pasts, counts, starts, device) for _, rows in sorted(members.items())]
+        runs = [rows for _, rows in sorted(members.items())]
+        if cost is not None:
+            lengths = [past + count for past, count in zip(pasts, counts)]
+            runs = [
+                [rows[i] for i in part] for rows in runs for part in split_by_length([lengths[r] for r in rows], cost)
+            ]
+        groups = [cls._group(rows, pasts, counts, starts, device) for rows in runs]
         return cls(counts, starts, groups)
 
     @staticmethod
@@ -223,6 +248,8 @@ class ForwardBatch:
     layers_written: set[int] = field(default_factory=set)
     layers_read: set[int] = field(default_factory=set)
     last_layer: int | None = None
+    _key_groups: dict = field(default_factory=dict)
+    _moved_rows: dict = field(default_factory=dict)
 
     @property
     def length(self) -> int:
@@ -253,16 +280,49 @@ class ForwardBatch:
             new_values = new_values.index_select(0, local.write_index)
         storage.write(layer_idx, local.write_slots, new_keys, new_values)
 
-    def read(self, storage: KVStorage, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of `layer_idx` for every padded position it attends to, gathered through the block tables:
-        `[batch, num_kv_heads, length - first read, head_dim]`."""
+    def read(
+        self,
+        storage: KVStorage,
+        layer_idx: int,
+        rows: torch.Tensor | None = None,
+        start: int = 0,
+        stop: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of `layer_idx` for the padded positions it attends to, gathered through the block tables:
+        `[batch, num_kv_heads, positions, head_dim]`; only `rows` (default: all) and positions `start .. stop - 1`
+        (default: all; never before what the layer's window reads) when given."""
         if layer_idx not in self.layers_written:
             raise RuntimeError(f"layer {layer_idx} did not write its K/V in this forward")
         self.layers_read.add(layer_idx)
         local = self.groups[self.layout.group_of[layer_idx]].on(storage.device_of(layer_idx))
-        first = self.layout.first_read(layer_idx, self.past_length)
-        slot_map = local.slot_map[:, first:] if first else local.slot_map
-        return storage.gather(layer_idx, slot_map, local.head_rows(storage.num_heads(layer_idx), first))
+        first = max(start, self.layout.first_read(layer_idx, self.past_length))
+        if rows is not None and rows.device != local.slot_map.device:
+            rows = self._rows_on(rows, local.slot_map.device)
+        return storage.gather(layer_idx, *local.read_index(storage.num_heads(layer_idx), first, stop, rows))
+
+    def key_groups(self, cost: int) -> list[KeyGroup] | None:
+        """How the rows of a right-aligned forward split to read their keys (`key_groups.split_by_length`, each
+        group from its longest row's first position on), or `None` when one group of all rows reads best."""
+        if cost not in self._key_groups:
+            lengths = [self.length - pads for pads in self.leading_pads]
+            groups = None
+            if len(lengths) > 1 and min(lengths) < max(lengths):
+                split = split_by_length(lengths, cost)
+                if len(split) > 1:
+                    device = self.groups[0].slot_map.device
+                    groups = [
+                        KeyGroup(torch.tensor(rows, device=device), self.length - max(lengths[r] for r in rows))
+                        for rows in split
+                    ]
+            self._key_groups[cost] = groups
+        return self._key_groups[cost]
+
+    def _rows_on(self, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """`rows` on `device`, moved once per forward (kept alive for `Addressing.read_index`)."""
+        key = (id(rows), device)
+        if key not in self._moved_rows:
+            self._moved_rows[key] = rows, rows.to(device)
+        return self._moved_rows[key][1]
 
     def is_complete(self, num_layers: int) -> bool:
         """Whether every layer has written (the forward's full blocks can be found by others)."""

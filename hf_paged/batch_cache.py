@@ -186,13 +186,21 @@ class BatchCache(Cache, ForwardBoundCache):
             return key_states, value_states
         return batch.read(storage, layer_idx)
 
-    def read_layer(self, layer_idx: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_layer(
+        self, layer_idx: int | None, rows: torch.Tensor | None = None, start: int = 0, stop: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of `layer_idx` (default: the layer that wrote last) for every padded position it attends to, gathered
-        through the block tables: `[batch, num_kv_heads, length, head_dim]`."""
+        through the block tables: `[batch, num_kv_heads, length, head_dim]`; only `rows` and positions `start ..
+        stop - 1` when given (see `ForwardBatch.read`)."""
         batch = self._batch
         if batch is None or batch.last_layer is None:
             raise RuntimeError("read_layer called before any update in this forward")
-        return batch.read(self.pool.storage, batch.last_layer if layer_idx is None else layer_idx)
+        return batch.read(self.pool.storage, batch.last_layer if layer_idx is None else layer_idx, rows, start, stop)
+
+    def key_groups(self):
+        """How the running right-aligned forward's rows split to read their keys (`ForwardBatch.key_groups`), or
+        `None`: all rows together."""
+        return None if self._batch is None else self._batch.key_groups(self.planner.key_group_cost)
 
     def reads_tables_in_attention(self) -> bool:
         return self._batch is not None and self._batch.reads_tables

@@ -8,6 +8,7 @@ import torch
 from .batch import ForwardBatch, ForwardInputs, PackedRows, address_packed, address_tables, extend_addressing
 from .config import PagedCacheConfig
 from .groups import KVLayout, layer_windows
+from .key_groups import group_cost
 from .pool import BlockPool, get_pool
 from .prefix import group_roots, prefix_namespace, root_hash
 from .rows import Row
@@ -50,6 +51,9 @@ class ForwardPlanner:
         if prefix_caching and root is not None:
             self.roots = group_roots(root, layout.num_groups)
         self._previous: ForwardBatch | None = None
+        shape = pool.kv_shape
+        # what one more group of rows reading their keys together costs, in key positions (see key_groups)
+        self.key_group_cost = group_cost(shape and shape.bytes_per_token // shape.num_layers)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, config: PagedCacheConfig) -> ForwardPlanner:
@@ -198,7 +202,7 @@ class ForwardPlanner:
         ]
         total = sum(new_tokens)
         batch = ForwardBatch(list(rows), addressing, self.layout, 0, total, True, copies, [0] * len(rows))
-        batch.packed = PackedRows.of(pasts, new_tokens, device)
+        batch.packed = PackedRows.of(pasts, new_tokens, device, cost=self.key_group_cost)
         self._previous = None  # a packed slot map is not extended
         return batch
 
