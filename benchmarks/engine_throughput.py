@@ -19,7 +19,10 @@ Engine-only columns: "pad share" is the share of the positions its forwards comp
 (`EngineStats.pad_share`); "wall / ceiling" compares its wall time with the **ceiling**: the same run's bare model
 forwards (no cache, `use_cache=False`) over exactly the input shapes the Engine's forwards had, in the same order,
 timed after the Engine run, so the ratio is the Engine's own overhead (scheduling, block bookkeeping, paged reads
-and writes, sampling).
+and writes, sampling) plus the attention over the cached context that any cache needs and the bare forwards do not
+do. "wall / ceiling with context" adds that attention for the decode steps (most steps): each of their forwards
+runs with a stock `DynamicCache` holding every row's context (contiguous, left-padded to the step's longest, as
+`generate` holds a batch), filled before the timed forward; packed steps stay bare forwards.
 
 Usage: python benchmarks/engine_throughput.py [--model tiny|smollm2] [--requests 200] [--budget-tokens 8192]
        [--systems engine static generate_batch]
@@ -33,7 +36,7 @@ import time
 import torch
 from common import environment, load_model, markdown_table
 from kv_memory import sharegpt_like_requests
-from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers import ContinuousBatchingConfig, DynamicCache, GenerationConfig
 
 import hf_paged
 from hf_paged.pool import KVShape
@@ -50,37 +53,64 @@ def workload(num_requests: int, scale: float, max_length: int, vocab_size: int, 
     return requests
 
 
-def record_shapes(model) -> tuple[list, object]:
-    """`(shapes, hook)`: the `input_ids` shape of every forward of `model` from now on, until `hook.remove()`."""
-    shapes = []
+def record_forwards(model, engine) -> tuple[list, object]:
+    """`(forwards, hook)`: for every forward of `model` from now on (until `hook.remove()`), its `input_ids` shape
+    and, for a decode step of right-aligned rows (one token each), every row's context before it (`None` for
+    other forwards)."""
+    forwards = []
 
     def record(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
-        shapes.append(tuple(ids.shape))
+        decode = ids.shape[1] == 1 and engine.cache.packed_rows() is None
+        contexts = [row.num_tokens - 1 for row in engine.cache.rows] if decode else None
+        forwards.append((tuple(ids.shape), contexts))
 
-    return shapes, model.register_forward_pre_hook(record, with_kwargs=True)
+    return forwards, model.register_forward_pre_hook(record, with_kwargs=True)
 
 
-def ceiling_seconds(model, shapes: list[tuple[int, int]], vocab_size: int) -> float:
-    """Bare forwards (no cache) over `shapes`, in order: the model's own cost of the Engine's inputs."""
+def ceiling_seconds(model, forwards: list, vocab_size: int, with_context: bool = False) -> float:
+    """The model's own cost of the Engine's forwards, in order: bare forwards (no cache) over the same input shapes;
+    `with_context`: a decode step's rows also attend to their contexts, held in a stock `DynamicCache` (contiguous,
+    left-padded to the step's longest context, as `generate` holds a batch), filled before each timed forward."""
     generator = torch.Generator().manual_seed(1)
-    inputs = [torch.randint(3, vocab_size, shape, generator=generator) for shape in shapes]
-    start = time.perf_counter()
+    config = model.config.get_text_config(decoder=True)
+    kv_heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    longest = max((max(c) for _, c in forwards if c), default=0)
+    widest = max((len(c) for _, c in forwards if c), default=0)
+    filler = torch.zeros(widest, kv_heads, longest, head_dim, dtype=model.dtype)
+    total = 0.0
     with torch.inference_mode():
-        for input_ids in inputs:
-            model(input_ids=input_ids, use_cache=False)
-    return time.perf_counter() - start
+        for shape, contexts in forwards:
+            inputs = {"input_ids": torch.randint(3, vocab_size, shape, generator=generator)}
+            if with_context and contexts:
+                past = max(contexts)
+                cache = DynamicCache(config=model.config)
+                for layer in range(config.num_hidden_layers):
+                    cache.update(filler[: len(contexts), :, :past], filler[: len(contexts), :, :past], layer)
+                mask = torch.zeros(len(contexts), past + 1, dtype=torch.long)
+                for row, context in enumerate(contexts):
+                    mask[row, past - context :] = 1
+                inputs |= {"past_key_values": cache, "attention_mask": mask, "use_cache": True}
+                inputs["position_ids"] = torch.tensor(contexts)[:, None]
+            else:
+                inputs["use_cache"] = False
+            start = time.perf_counter()
+            model(**inputs)
+            total += time.perf_counter() - start
+    return total
 
 
 def run_engine(model, requests, budget_tokens: int, block_size: int):
     engine = hf_paged.Engine(model, block_size=block_size, num_blocks=budget_tokens // block_size, progress=False)
     params = [hf_paged.SamplingParams(max_new_tokens=n, eos_token_id=()) for _, n in requests]
-    shapes, hook = record_shapes(model)
+    forwards, hook = record_forwards(model, engine)
     start = time.perf_counter()
     outputs = engine.generate([p for p, _ in requests], params)
     elapsed = time.perf_counter() - start
     hook.remove()
-    ceiling = ceiling_seconds(model, shapes, model.config.vocab_size)
+    ceiling = ceiling_seconds(model, forwards, model.config.vocab_size)
+    ceiling_with_context = ceiling_seconds(model, forwards, model.config.vocab_size, with_context=True)
     stats = engine.last_stats
     pad_share = getattr(stats, "pad_share", None)  # (versions before packed steps did not count pads)
     waste = "-" if pad_share is None else f"{pad_share:.1%}"
@@ -92,7 +122,8 @@ def run_engine(model, requests, budget_tokens: int, block_size: int):
     )
     engine.close()
     generated = sum(len(o.token_ids) for o in outputs)
-    return elapsed, generated, stats.peak_blocks * block_size, extra, waste, f"{elapsed / ceiling:.2f}x"
+    versus = f"{elapsed / ceiling:.2f}x", f"{elapsed / ceiling_with_context:.2f}x"
+    return elapsed, generated, stats.peak_blocks * block_size, extra, waste, *versus
 
 
 def static_batches(requests, budget_tokens: int) -> list[list[tuple[list[int], int]]]:
@@ -130,7 +161,7 @@ def run_static(model, requests, budget_tokens: int, pad_token_id: int = 0):
         peak = max(peak, len(batch) * (width + new))
     elapsed = time.perf_counter() - start
     sizes = [len(b) for b in batches]
-    return elapsed, generated, peak, f"{len(batches)} batches of {min(sizes)}-{max(sizes)}", "-", "-"
+    return elapsed, generated, peak, f"{len(batches)} batches of {min(sizes)}-{max(sizes)}", "-", "-", "-"
 
 
 def run_generate_batch(model, requests, budget_tokens: int, page_size: int):
@@ -150,7 +181,7 @@ def run_generate_batch(model, requests, budget_tokens: int, page_size: int):
                 raise RuntimeError("transformers' continuous batching stopped early")
     elapsed = time.perf_counter() - start
     generated = sum(len(r.generated_tokens) for r in results.values())
-    return elapsed, generated, budget_tokens, "preallocated cache", "-", "-"
+    return elapsed, generated, budget_tokens, "preallocated cache", "-", "-", "-"
 
 
 def main() -> None:
@@ -185,7 +216,7 @@ def main() -> None:
     baseline = runs.get("stock generate, static batches")
     batching = runs.get("transformers generate_batch")
     rows = []
-    for name, (elapsed, generated, peak_tokens, notes, pad_share, versus_ceiling) in runs.items():
+    for name, (elapsed, generated, peak_tokens, notes, pad_share, *versus_ceilings) in runs.items():
         tokens_per_s = generated / elapsed
         rows.append(
             [
@@ -196,7 +227,7 @@ def main() -> None:
                 f"{elapsed:.1f}",
                 f"{peak_tokens * bytes_per_token / 2**20:.1f}",
                 pad_share,
-                versus_ceiling,
+                *versus_ceilings,
                 notes,
             ]
         )
@@ -217,6 +248,7 @@ def main() -> None:
         "peak KV MiB",
         "pad share",
         "wall / ceiling",
+        "wall / ceiling with context",
         "notes",
     ]
     print(markdown_table(headers, rows))
