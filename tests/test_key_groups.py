@@ -54,9 +54,13 @@ def test_the_split_is_optimal_among_every_partition(lengths, cost):
 LENGTHS = [3, 90, 5, 61, 4, 120, 33]
 
 
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("llama")
+@pytest.fixture(scope="module", params=["llama", "mistral-window-16"])
+def model(request):
+    """A tiny Llama, and a tiny Mistral whose sliding window (16) is shorter than most rows (groups then start
+    where the window does, and skipped blocks are given back while rows are read in groups)."""
+    if request.param == "llama":
+        return tiny_model("llama")
+    return tiny_model("mistral", sliding_window=16, max_position_embeddings=1024)
 
 
 @pytest.fixture
@@ -112,7 +116,7 @@ def test_generate_rows_read_in_key_groups_match_dynamic_cache(model, every_lengt
     paged.past_key_values.release()
 
 
-def test_negative_control_a_group_reading_one_key_too_few_changes_outputs(model, monkeypatch):
+def test_negative_control_a_group_reading_one_key_too_few_changes_outputs(llama, monkeypatch):
     monkeypatch.setattr(planner_module, "group_cost", lambda bytes_per_position: 1)
     key_groups = ForwardBatch.key_groups
 
@@ -121,8 +125,8 @@ def test_negative_control_a_group_reading_one_key_too_few_changes_outputs(model,
         return groups and [KeyGroup(group.rows, group.start + 1) for group in groups]
 
     monkeypatch.setattr(ForwardBatch, "key_groups", short_by_one)
-    input_ids, attention_mask = left_padded_batch(LENGTHS, model.config.vocab_size)
+    input_ids, attention_mask = left_padded_batch(LENGTHS, llama.config.vocab_size)
     options = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 10, "do_sample": False}
-    reference = model.generate(**options, pad_token_id=0)
-    paged = model.generate(**options, pad_token_id=0, cache_implementation="paged")
+    reference = llama.generate(**options, pad_token_id=0)
+    paged = llama.generate(**options, pad_token_id=0, cache_implementation="paged")
     assert not torch.equal(reference, paged)
