@@ -190,13 +190,20 @@ def test_admission_reuses_cached_prefix_blocks():
 
 
 # ---------------------------------------------------------------------- mixed steps (packed forwards)
-def test_mixed_steps_decode_every_running_request_while_a_long_prompt_is_prefilled():
-    scheduler, allocator = scheduler_over(16, 4, None, max_prefill_tokens=4)
+def long_prompt_while_one_decodes(num_blocks: int, **options):
+    """`(scheduler, allocator, short, long)`: a packed scheduler where `short` (3 tokens) is prefilled and decodes
+    when `long` (a 10-token prompt) arrives."""
+    scheduler, allocator = scheduler_over(num_blocks, 4, None, **options)
     scheduler.packed = True
     short, long = request("short", 3), request("long", 10)
     scheduler.add(short)
     run(scheduler, scheduler.schedule()[0])
     scheduler.add(long)
+    return scheduler, allocator, short, long
+
+
+def test_mixed_steps_decode_every_running_request_while_a_long_prompt_is_prefilled():
+    scheduler, allocator, short, long = long_prompt_while_one_decodes(16, max_prefill_tokens=4)
     plan = []
     for _ in range(4):
         step, failed = scheduler.schedule()
@@ -265,12 +272,7 @@ def test_the_step_budget_leaves_prompt_tokens_only_what_decoding_requests_do_not
 
 
 def test_a_long_prompt_arriving_while_requests_decode_is_chunked_by_the_step_budget():
-    scheduler, allocator = scheduler_over(64, 4, None, max_prefill_tokens=100, max_num_batched_tokens=4)
-    scheduler.packed = True
-    short, long = request("short", 3), request("long", 10)
-    scheduler.add(short)
-    run(scheduler, scheduler.schedule()[0])
-    scheduler.add(long)
+    scheduler, allocator, _, long = long_prompt_while_one_decodes(64, max_prefill_tokens=100, max_num_batched_tokens=4)
     plan = []
     while not long.output_token_ids:
         step, _ = scheduler.schedule()
