@@ -281,3 +281,17 @@ def test_a_long_prompt_arriving_while_requests_decode_is_chunked_by_the_step_bud
     # the prefill budget (100) would take the whole prompt in one step: the step budget gives it 4 - 1 a step
     assert plan == [[1, 3], [1, 3], [1, 3], [1, 1]]
     allocator.check_invariants()
+
+
+def test_decoding_requests_that_fill_the_step_budget_leave_no_room_for_prompts():
+    scheduler, allocator = scheduler_over(64, 4, None, max_num_batched_tokens=2)
+    scheduler.packed = True
+    for name in ("a", "b"):
+        scheduler.add(request(name, 3))
+    run(scheduler, scheduler.schedule()[0])  # a and b prefilled together (nothing decoded yet)
+    waiting = request("c", 3)
+    scheduler.add(waiting)
+    step, failed = scheduler.schedule()
+    assert (step.kind, names(step.requests), step.new_tokens, failed) == ("decode", ["a", "b"], [1, 1], [])
+    assert waiting.row is None and list(scheduler.waiting) == [waiting]  # not admitted with a 0-token chunk
+    allocator.check_invariants()

@@ -45,9 +45,9 @@ class Engine:
         max_prefill_tokens (`int`): most prompt tokens in one step (padded positions, rows x width, under a stock
             attention); a longer prompt is prefilled in chunks.
         max_num_batched_tokens (`int`): most tokens in one packed step while requests decode (their tokens plus
-            prompt tokens), so a long prompt delays the decoding requests by at most one such step per token; at
-            least `max_batch_size`. Raise it where a forward over many tokens costs little more than over few (a
-            GPU); lower it for shorter stalls.
+            prompt tokens), so each next token of a decoding request waits for at most one such step however long
+            the prompts arriving; at least `max_batch_size`. Raise it where a forward over many tokens costs little
+            more than over few (a GPU); lower it for shorter stalls.
         progress (`bool`, *optional*): tqdm bar in `generate`; by default only when stderr is a terminal.
         **cache_config: pool options (`block_size`, `num_blocks`, `max_memory`, `prefix_caching`, ...).
 
