@@ -106,34 +106,46 @@ def paged_attention_forward(
     if paged_cache is not None and paged_cache.reads_tables_in_attention():
         layer_idx = getattr(module, "layer_idx", None)
         packed = paged_cache.packed_rows()
+        if paged_cache.eager_math:
+            kwargs["eager"] = True
         if packed is not None:
             return _packed_attention(
                 module, query, paged_cache, layer_idx, packed, scaling, dropout, softcap, s_aux, **kwargs
             )
-        if _groups_possible(query, attention_mask, softcap, s_aux, kwargs):
+        if _groups_possible(query, attention_mask, kwargs):
             groups = paged_cache.key_groups()
             if groups is not None:
                 return _grouped_attention(
-                    module, query, paged_cache, layer_idx, groups, attention_mask, scaling, dropout, **kwargs
+                    module,
+                    query,
+                    paged_cache,
+                    layer_idx,
+                    groups,
+                    attention_mask,
+                    scaling,
+                    dropout,
+                    softcap,
+                    s_aux,
+                    **kwargs,
                 )
         key, value = paged_cache.read_layer(layer_idx)
     return _attention(module, query, key, value, attention_mask, scaling, dropout, softcap, s_aux, **kwargs)
 
 
-def _groups_possible(query, attention_mask, softcap, s_aux, kwargs) -> bool:
+def _groups_possible(query, attention_mask, kwargs) -> bool:
     """Whether a right-aligned forward's rows may attend in key groups: one query per row (a decode step) with a
-    per-row mask, under SDPA (no attention probabilities to return, no soft-capping or sinks)."""
+    per-row mask, and no attention probabilities to return for the whole batch."""
     return (
         query.shape[2] == 1
         and attention_mask is not None
         and attention_mask.shape[0] == query.shape[0]
-        and softcap is None
-        and s_aux is None
         and not kwargs.get("output_attentions")
     )
 
 
-def _grouped_attention(module, query, paged_cache, layer_idx, groups, attention_mask, scaling, dropout, **kwargs):
+def _grouped_attention(
+    module, query, paged_cache, layer_idx, groups, attention_mask, scaling, dropout, softcap, s_aux, **kwargs
+):
     """Attention of a right-aligned forward whose rows read their keys in groups (`BatchCache.key_groups`): each
     group reads only the positions from its longest row's first one on, under the matching columns of the mask."""
     output = None
@@ -142,7 +154,7 @@ def _grouped_attention(module, query, paged_cache, layer_idx, groups, attention_
         mask = attention_mask.index_select(0, group.rows)
         mask = mask[..., mask.shape[-1] - key.shape[2] :]
         out, _ = _attention(
-            module, query.index_select(0, group.rows), key, value, mask, scaling, dropout, None, None, **kwargs
+            module, query.index_select(0, group.rows), key, value, mask, scaling, dropout, softcap, s_aux, **kwargs
         )
         if output is None:
             output = out.new_empty(query.shape[0], *out.shape[1:])
@@ -150,14 +162,15 @@ def _grouped_attention(module, query, paged_cache, layer_idx, groups, attention_
     return output, None
 
 
-def _attention(module, query, key, value, attention_mask, scaling, dropout, softcap, s_aux, **kwargs):
-    """SDPA (transformers' own) over `key`/`value`, or plain torch ops where SDPA cannot express the call."""
+def _attention(module, query, key, value, attention_mask, scaling, dropout, softcap, s_aux, eager=False, **kwargs):
+    """SDPA (transformers' own) over `key`/`value`, or plain torch ops (`eager_paged_attention`) where SDPA cannot
+    express the call or `eager` asks for eager attention's math."""
     num_heads, num_kv_heads = query.shape[1], key.shape[1]
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     n_rep = num_heads // num_kv_heads
     dropout = dropout if module.training else 0.0
-    if softcap is not None or s_aux is not None or kwargs.get("output_attentions"):
+    if eager or softcap is not None or s_aux is not None or kwargs.get("output_attentions"):
         return eager_paged_attention(
             query, key, value, attention_mask, scaling, dropout, softcap, s_aux, training=module.training
         )

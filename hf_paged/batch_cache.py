@@ -31,6 +31,10 @@ class BatchCache(Cache, ForwardBoundCache):
         model (`PreTrainedModel`): the model whose forwards use this cache.
         planner (`ForwardPlanner`): plans the batches (its pool and layout are the cache's).
 
+    Attributes:
+        eager_math (`bool`): the `"hf_paged"` attention computes in eager attention's plain torch ops instead of SDPA
+            (the Engine sets it for a model set to eager attention, so its outputs stay those of stock eager).
+
     Example:
 
     ```python
@@ -60,6 +64,7 @@ class BatchCache(Cache, ForwardBoundCache):
         self._model_name = type(model).__name__
         self._batch: ForwardBatch | None = None
         self._layers_per_forward = 0  # most layers seen writing in one forward
+        self.eager_math = False
         attach_to_model(model)
 
     # ------------------------------------------------------------------ views

@@ -157,7 +157,7 @@ def attention_implementation(model: torch.nn.Module, implementation: str):
                     model.set_attn_implementation(entry[1])
 
 
-def _own_attention(model: torch.nn.Module) -> str:
+def own_attention(model: torch.nn.Module) -> str:
     """The model's attention implementation outside paged calls (one running in another thread may have switched
     it for its duration)."""
     with _switch_lock:
@@ -165,15 +165,19 @@ def _own_attention(model: torch.nn.Module) -> str:
     return model.config._attn_implementation if entry is None else entry[1]
 
 
-def paged_attention_for(model: torch.nn.Module, config: PagedCacheConfig, output_attentions: bool = False) -> str:
+def paged_attention_for(
+    model: torch.nn.Module, config: PagedCacheConfig, output_attentions: bool = False, keep_eager: bool = True
+) -> str:
     """The attention implementation a paged call runs on: `cache_config`'s `attn_implementation` when given; else
     the model's own implementation when the call asks for attention weights or the model is set to eager attention
-    (the caller's choice is kept, reading the paged cache as dense K/V, so `output_attentions` gives exactly what
-    stock gives), and `"hf_paged"` otherwise. A model that hard-codes its attention classes (it does not dispatch
-    through transformers' `AttentionInterface`, e.g. Falcon) cannot be switched: it keeps its own attention, which
-    reads the paged cache as dense K/V; asking it for another implementation is refused."""
-    own = _own_attention(model)
-    keeps_own = output_attentions or own == EAGER
+    and `keep_eager` (the caller's choice is kept, reading the paged cache as dense K/V, so `output_attentions`
+    gives exactly what stock gives), and `"hf_paged"` otherwise (the Engine, which never returns attention
+    weights, passes `keep_eager=False` and has the `"hf_paged"` attention compute eager models in eager math). A
+    model that hard-codes its attention classes (it does not dispatch through transformers' `AttentionInterface`,
+    e.g. Falcon) cannot be switched: it keeps its own attention, which reads the paged cache as dense K/V; asking it
+    for another implementation is refused."""
+    own = own_attention(model)
+    keeps_own = output_attentions or (own == EAGER and keep_eager)
     requested = config.attn_implementation or (own if keeps_own else config.resolved_attn_implementation)
     current = model.config._attn_implementation
     if requested == current or model._can_set_attn_implementation():

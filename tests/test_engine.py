@@ -501,3 +501,25 @@ def test_negative_control_padded_steps_count_their_pads(model, workload):
     engine.generate(prompts[:12], max_new_tokens=8, min_new_tokens=8)
     stats = engine.last_stats  # stock attention reads dense K/V: right-aligned rows, pads through the model
     assert stats.pad_positions > 0 and stats.mixed_steps == 0 and stats.pad_share > 0
+
+
+def test_an_eager_model_runs_packed_steps_in_eager_math(workload):
+    model = tiny_model("llama", attn_implementation="eager")
+    prompts, news, _ = workload
+    expected = [alone(model, p, n, min_new_tokens=n, do_sample=False) for p, n in zip(prompts[:12], news)]
+
+    def served(engine: Engine) -> list[list[int]]:
+        ids = [engine.add_request(p, max_new_tokens=n, min_new_tokens=n) for p, n in zip(prompts[:12], news)]
+        finals = drive(engine)
+        return [finals[i].token_ids for i in ids]
+
+    with Engine(model, block_size=4, num_blocks=256) as engine:
+        assert served(engine) == expected
+        stats = engine.stats()
+        assert stats.pad_positions == 0 and stats.prefill_steps + stats.mixed_steps >= 1  # packed: no pad position
+        assert engine.cache.eager_math  # the "hf_paged" attention computed in eager attention's ops
+    assert model.config._attn_implementation == "eager"  # the model is handed back as it was
+    # asked for by name, the stock attention is kept: padded steps reading dense K/V
+    with Engine(model, block_size=4, num_blocks=256, attn_implementation="eager") as padded:
+        assert served(padded) == expected
+        assert padded.stats().pad_positions > 0 and not padded.cache.eager_math

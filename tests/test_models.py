@@ -397,4 +397,10 @@ def test_engine_matches_generate_alone(models, case):
     with hf_paged.Engine(model, **CACHE) as engine:
         outputs = engine.generate(prompts, **options)
         assert [o.token_ids for o in outputs] == expected
+        stats = engine.last_stats
+    if model._can_set_attn_implementation():  # packed steps (Gemma2, an eager model, too): no pad position
+        assert stats.pad_positions == 0 and stats.mixed_steps + stats.prefill_steps >= 1
+    else:  # Falcon hard-codes its attention, which cannot read the tables: right-aligned steps with left pads
+        assert stats.pad_positions > 0
+    assert model.config._attn_implementation == ("eager" if case == "gemma2" else "sdpa")  # restored
     assert get_pool(model).stats().num_used == 0

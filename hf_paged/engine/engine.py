@@ -14,7 +14,7 @@ from transformers import GenerationConfig
 
 from ..batch_cache import BatchCache
 from ..config import ATTENTION_NAME, PagedCacheConfig
-from ..forward import attention_implementation, paged_attention_for
+from ..forward import EAGER, attention_implementation, own_attention, paged_attention_for
 from ..planner import ForwardPlanner
 from .params import SamplingParams
 from .request import Request, RequestOutput, RequestStatus
@@ -227,8 +227,10 @@ class Engine:
             changed = [r for r in self._requests.values() if r.finished]  # max_new_tokens=0, or failed earlier
             if self.planner.prefix_caching:  # the weights may have been trained since the last step
                 self.planner.refresh_root(self.model)
-            self._implementation = paged_attention_for(self.model, self.cache_config)
+            # an eager model runs the "hf_paged" attention in eager math: packed steps, stock eager's outputs
+            self._implementation = paged_attention_for(self.model, self.cache_config, keep_eager=False)
             self.scheduler.packed = self._implementation == ATTENTION_NAME
+            self.cache.eager_math = self.scheduler.packed and own_attention(self.model) == EAGER
             step, failed = self.scheduler.schedule()
             changed += failed
             if step is not None:
