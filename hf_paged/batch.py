@@ -57,11 +57,11 @@ class Addressing:
     def read_index(
         self, num_heads: int, first: int, stop: int | None = None, rows: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(slots, storage.head_rows(slots))` of positions `first .. stop - 1` of `rows` (default: all), computed
-        once per forward for all layers alike (`rows` must live as long as the forward)."""
+        """`(slots, storage.head_rows(slots))` of positions `first .. stop - 1` of `rows` (default: all; on any
+        device), computed once per forward for all layers alike (`rows` must live as long as the forward)."""
         key = (num_heads, first, stop, None if rows is None else id(rows))
         if key not in self._read_indexes:
-            slots = self.slot_map if rows is None else self.slot_map.index_select(0, rows)
+            slots = self.slot_map if rows is None else self.slot_map.index_select(0, rows.to(self.slot_map.device))
             slots = slots[:, first:stop]
             self._read_indexes[key] = slots, head_rows(slots, num_heads)
         return self._read_indexes[key]
@@ -249,7 +249,6 @@ class ForwardBatch:
     layers_read: set[int] = field(default_factory=set)
     last_layer: int | None = None
     _key_groups: dict = field(default_factory=dict)
-    _moved_rows: dict = field(default_factory=dict)
 
     @property
     def length(self) -> int:
@@ -296,8 +295,6 @@ class ForwardBatch:
         self.layers_read.add(layer_idx)
         local = self.groups[self.layout.group_of[layer_idx]].on(storage.device_of(layer_idx))
         first = max(start, self.layout.first_read(layer_idx, self.past_length))
-        if rows is not None and rows.device != local.slot_map.device:
-            rows = self._rows_on(rows, local.slot_map.device)
         return storage.gather(layer_idx, *local.read_index(storage.num_heads(layer_idx), first, stop, rows))
 
     def key_groups(self, cost: int) -> list[KeyGroup] | None:
@@ -316,13 +313,6 @@ class ForwardBatch:
                     ]
             self._key_groups[cost] = groups
         return self._key_groups[cost]
-
-    def _rows_on(self, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """`rows` on `device`, moved once per forward (kept alive for `Addressing.read_index`)."""
-        key = (id(rows), device)
-        if key not in self._moved_rows:
-            self._moved_rows[key] = rows, rows.to(device)
-        return self._moved_rows[key][1]
 
     def is_complete(self, num_layers: int) -> bool:
         """Whether every layer has written (the forward's full blocks can be found by others)."""
