@@ -277,6 +277,16 @@ ERRORS = {
     "min-tokens": ("completions", json.dumps({"model": TINY, "prompt": "hi", "max_tokens": 2, "min_tokens": 3}),
                    "min_tokens"),
     "not-an-object": ("completions", "[1, 2]", None),
+    # each of these was a 500 once
+    "logit-bias-superscript-digit": ("chat", json.dumps({"model": TINY, "messages": [{"role": "user", "content": "hi"}],
+                                                         "logit_bias": {"\u00b2": 1}}), "logit_bias"),
+    "nested-10000-deep": ("completions", '{"model": "tiny", "prompt": "hi", "x": %s}' % ("[" * 10000 + "]" * 10000),
+                          None),
+    "5000-digit-integer": ("completions", '{"model": "tiny", "prompt": "hi", "max_tokens": %s}' % ("9" * 5000), None),
+    "echo-negative-token-id": ("completions", json.dumps({"model": TINY, "prompt": [-1], "echo": True}), "prompt"),
+    "echo-token-id-2**63": ("completions", json.dumps({"model": TINY, "prompt": [2**63], "echo": True}), "prompt"),
+    "string-for-an-integer": ("completions", json.dumps({"model": TINY, "prompt": "hi", "max_tokens": "3"}),
+                              "max_tokens"),
 }  # fmt: skip
 
 
@@ -302,6 +312,19 @@ def test_a_seed_in_int64_range_is_used_and_reproducible(client):
     assert first.choices[0].text != first.choices[1].text  # seeds 2**63 - 1 and 2**63 differ
 
 
+def test_null_fields_take_their_defaults(server, reference_model):
+    model, tokenizer = reference_model
+    prompt_ids = text_ids(tokenizer, "Once upon a time")
+    tokens, _ = reference(model, prompt_ids, 4)
+    reply = httpx.post(f"{server}/v1/completions", headers=HEADERS, timeout=30, json={
+        "model": TINY, "prompt": prompt_ids, "max_tokens": 4, "min_tokens": 4, "temperature": 0, "top_p": None,
+        "n": None, "stream": None, "echo": None, "frequency_penalty": None, "presence_penalty": None,
+    })  # fmt: skip
+    assert reply.status_code == 200, reply.text
+    choices = reply.json()["choices"]
+    assert len(choices) == 1 and choices[0]["text"] == tokenizer.decode(tokens)
+
+
 # ---------------------------------------------------------------------------------------------- 8: API key
 def test_the_api_key_is_read_from_the_environment(server):
     bad = openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0)
@@ -309,6 +332,9 @@ def test_the_api_key_is_read_from_the_environment(server):
         bad.completions.create(model=TINY, prompt="hi", max_tokens=2)
     assert httpx.get(f"{server}/v1/models").json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{server}/v1/models", headers=HEADERS).json()["data"][0]["id"] == TINY
+    lowercase = {"Authorization": f"bearer {API_KEY}"}  # the scheme is case-insensitive (RFC 9110)
+    assert httpx.get(f"{server}/v1/models", headers=lowercase).json()["data"][0]["id"] == TINY
+    assert httpx.get(f"{server}/v1/models", headers={"Authorization": API_KEY}).status_code == 401
 
 
 # ---------------------------------------------------------------------------------------------- 1: disconnects

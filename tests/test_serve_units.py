@@ -3,6 +3,7 @@ the GGUF conversion cache, the API key from the environment."""
 
 from __future__ import annotations
 
+import json
 import stat
 
 import pytest
@@ -37,12 +38,52 @@ def parse_error(raw: bytes, model=CompletionRequest) -> APIError:
         (b'{"model": "m", "prompt": "hi", "frequency_penalty": 2.5}', "frequency_penalty", "less than or equal to 2"),
         (b"\xff\xfe", None, "not valid JSON"),
         (b"[]", None, "must be a JSON object"),
+        # characters str.isdigit() accepts but int() does not, or reads as another digit
+        ('{"model": "m", "prompt": "hi", "logit_bias": {"\u00b2": 1}}'.encode(), "logit_bias", "digits 0-9"),
+        ('{"model": "m", "prompt": "hi", "logit_bias": {"\u0663": 1}}'.encode(), "logit_bias", "digits 0-9"),
+        (b'{"model": "m", "prompt": "hi", "logit_bias": {"%s": 1}}' % (b"1" * 5000), "logit_bias", "5000-digit"),
+        (b'{"model": "m", "prompt": "hi", "max_tokens": %s}' % (b"1" * 5000), None, "an integer of over"),
+        (b'{"model": "m", "prompt": "hi", "x": %s}' % (b"[" * 2000 + b"]" * 2000), None, "nests more than 32"),
+        (b'{"model": "m", "prompt": "hi", "x": %s}' % (b"[" * 40 + b"]" * 40), None, "nests more than 32"),
+        # strict types, as OpenAI's: no string or boolean read as a number, no float as an integer
+        (b'{"model": "m", "prompt": "hi", "max_tokens": "3"}', "max_tokens", "valid integer, got a string"),
+        (b'{"model": "m", "prompt": "hi", "n": true}', "n", "valid integer, got a boolean"),
+        (b'{"model": "m", "prompt": "hi", "n": 2.0}', "n", "valid integer, got a number"),
+        (b'{"model": "m", "prompt": "hi", "temperature": "0.5"}', "temperature", "valid number, got a string"),
+        (b'{"model": "m", "prompt": "hi", "stream": "yes"}', "stream", "valid boolean, got a string"),
+        (b'{"model": "m", "prompt": "hi", "logit_bias": {"5": "10"}}', "logit_bias.5", "valid number"),
+        (b'{"model": "m", "prompt": [true, false]}', "prompt", "integers only, got a boolean at index 0"),
+        # fields of several types name the field and what was wrong, not a type branch
+        (b'{"model": "m", "prompt": ["hello", "world"]}', "prompt", "a list of prompts is not supported"),
+        (b'{"model": "m", "prompt": [[1, 2], [3]]}', "prompt", "a list of prompts is not supported"),
+        (b'{"model": "m", "prompt": null}', "prompt", "got null"),
+        (b'{"model": "m", "prompt": "hi", "stop": ["a", 5]}', "stop", "got an integer at index 1"),
+        (b'{"model": null, "prompt": "hi"}', "model", "valid string, got null"),
     ],
 )
 def test_bad_bodies_name_the_field(raw, param, message):
     error = parse_error(raw)
     assert error.status == 400 and error.param == param and message in error.message
     assert error.body()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(["hi"], "content parts are objects, got a string at index 0"), (5, "got an integer")],
+)
+def test_chat_content_of_a_wrong_type_is_named(content, message):
+    raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": content}]}).encode()
+    error = parse_error(raw, ChatCompletionRequest)
+    assert error.param == "messages.0.content" and message in error.message
+
+
+def test_null_stands_for_the_default_as_in_openai():
+    nulls = dict.fromkeys(["temperature", "top_p", "n", "stream", "echo", "frequency_penalty", "presence_penalty"])
+    body = parse_body(json.dumps({"model": "m", "prompt": "hi", **nulls}).encode(), CompletionRequest)
+    assert body == CompletionRequest(model="m", prompt="hi")
+    chat = parse_body(b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": null}',
+                      ChatCompletionRequest)  # fmt: skip
+    assert chat.logprobs is False and chat.temperature == 1.0
 
 
 def test_a_surrogate_deep_in_chat_messages_is_located():
@@ -76,9 +117,19 @@ def test_fields_that_cannot_be_honoured_are_named(fields, param):
 def test_off_values_and_user_are_accepted():
     body = ChatCompletionRequest(
         model="m", messages=[{"role": "user", "content": "hi"}], tools=[], parallel_tool_calls=False, user="u1",
-        response_format={"type": "text"}, stream=True, stream_options={"include_usage": True},
+        response_format={"type": "text"}, stream=True, stream_options={"include_usage": True}, tool_choice="none",
     )  # fmt: skip
     assert unsupported_fields(body) is None and body.include_usage
+    assert unsupported_fields(CompletionRequest(model="m", prompt="hi", best_of=1)) is None  # the default
+    assert unsupported_fields(CompletionRequest(model="m", prompt="hi", best_of=True))[0] == "best_of"
+
+
+def test_token_id_prompts_are_checked_against_the_vocabulary():
+    encoder = PromptEncoder(None, None, vocab_size=10)
+    assert encoder.encode([0, 9]) == [0, 9]
+    with pytest.raises(APIError) as caught:
+        encoder.encode([3, -1, 10])
+    assert caught.value.param == "prompt" and "[0, 10), got [-1, 10]" in caught.value.message
 
 
 def test_prompt_length_is_evident_from_the_longest_vocabulary_entry():

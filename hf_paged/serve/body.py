@@ -4,13 +4,16 @@ OpenAI errors (invalid JSON, lone surrogates, invalid fields) naming the field a
 from __future__ import annotations
 
 import json
+import sys
 
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import APIError
+from .protocol import json_type
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+MAX_JSON_DEPTH = 32  # arrays and objects inside one another; OpenAI bodies need fewer than 10
 
 
 class BodyLimitMiddleware:
@@ -103,10 +106,17 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
     """
     try:
         data = json.loads(raw)
+    except RecursionError:
+        raise APIError(400, f"the request body nests more than {MAX_JSON_DEPTH} arrays or objects") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise APIError(400, f"the request body is not valid JSON: {error}") from None
+    except ValueError:  # an integer literal longer than Python reads
+        limit = sys.get_int_max_str_digits()
+        raise APIError(400, f"the request body holds an integer of over {limit} digits") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    if json_depth(data) > MAX_JSON_DEPTH:
+        raise APIError(400, f"the request body nests more than {MAX_JSON_DEPTH} arrays or objects")
     where = _surrogate_path(data)
     if where is not None:
         raise APIError(
@@ -118,7 +128,32 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
         first = error.errors()[0]
         param = ".".join(str(part) for part in first["loc"]) or None
         message = first["msg"].removeprefix("Value error, ")
+        if first["type"].endswith("_type"):  # a value of the wrong JSON type: say which it was
+            message += f", got {json_type(first['input'])}"
         raise APIError(400, f"{param}: {message}" if param else message, param) from None
+
+
+def json_depth(value) -> int:
+    """How many arrays and objects of parsed JSON `value` sit inside one another (0 for a scalar), counted without
+    recursion.
+
+    Example:
+
+    ```python
+    >>> json_depth({"a": [1, {"b": []}]}), json_depth("text")
+    (4, 0)
+
+    ```
+    """
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _surrogate_path(value, path: str = "") -> str | None:

@@ -17,6 +17,7 @@ class PromptEncoder:
     Args:
         tokenizer: the model's tokenizer (`None`: only token-id prompts).
         max_context (`int`, *optional*): the model's context window in tokens.
+        vocab_size (`int`, *optional*): token-id prompts are checked to lie in `[0, vocab_size)`.
 
     Example:
 
@@ -36,9 +37,10 @@ class PromptEncoder:
     ```
     """
 
-    def __init__(self, tokenizer, max_context: int | None):
+    def __init__(self, tokenizer, max_context: int | None, vocab_size: int | None = None):
         self.tokenizer = tokenizer
         self.max_context = max_context
+        self.vocab_size = vocab_size
         self.max_chars = None
         if tokenizer is not None and max_context is not None:
             self.max_chars = max_context * longest_token_chars(tokenizer)
@@ -55,8 +57,11 @@ class PromptEncoder:
             )
 
     def encode(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a completion prompt (token ids are returned as given)."""
+        """Token ids of a completion prompt (token ids are returned as given, once checked against the vocabulary)."""
         if isinstance(prompt, list):
+            bad = [t for t in prompt if self.vocab_size is not None and not 0 <= t < self.vocab_size]
+            if bad:
+                raise APIError(400, f"prompt: token ids must be in [0, {self.vocab_size}), got {bad[:5]}", "prompt")
             return prompt
         if self.tokenizer is None:
             raise APIError(400, "this server has no tokenizer: send the prompt as a list of token ids", "prompt")

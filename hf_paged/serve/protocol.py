@@ -3,25 +3,27 @@
 Fields OpenAI defines that the server cannot honour exactly (`tools`, `response_format` other than text, ...) are
 refused rather than ignored: `unsupported_fields` names them. `user` is accepted and ignored (it only labels the
 request); `min_tokens` is an extension (vLLM's name) that suppresses end-of-sequence tokens until that many tokens
-were generated.
+were generated. Types are strict, as OpenAI's: `"3"` or `true` is not an integer, `"yes"` not a boolean; `null`
+stands for a field's default, as it does in OpenAI's API (its Python client sends `null` for `None`).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions `logprobs`
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat `top_logprobs`
 MAX_LOGIT_BIAS = 300  # entries in `logit_bias`
+MAX_TOKEN_ID_DIGITS = 18  # a longer `logit_bias` key is no token id of any vocabulary
 _TOOL_FIELDS = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls")
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
 
@@ -29,7 +31,7 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=0)
@@ -47,10 +49,28 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
 
-    @field_validator("stop")
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        """Drop `null` values of fields that have a default other than `null` (`temperature`, `n`, `stream`, ...)."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            name: value
+            for name, value in data.items()
+            if value is not None or name not in fields or fields[name].is_required() or fields[name].default is None
+        }
+
+    @field_validator("stop", mode="before")
     @classmethod
     def _stop(cls, value):
+        if value is not None and not isinstance(value, str | list):
+            raise ValueError(f"must be a string or an array of strings, got {json_type(value)}")
         strings = [value] if isinstance(value, str) else (value or [])
+        for index, text in enumerate(strings):
+            if not isinstance(text, str):
+                raise ValueError(f"stop strings must be strings, got {json_type(text)} at index {index}")
         if len(strings) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(strings)}")
         if any(not text for text in strings):
@@ -65,8 +85,10 @@ class SamplingFields(BaseModel):
         if len(value) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed, got {len(value)}")
         for token, bias in value.items():
-            if not token.isdigit():
-                raise ValueError(f"logit_bias keys must be token ids (digit strings), got {token!r}")
+            if not (token.isascii() and token.isdigit()):
+                raise ValueError(f"logit_bias keys must be token ids (strings of digits 0-9), got {_shorten(token)!r}")
+            if len(token) > MAX_TOKEN_ID_DIGITS:
+                raise ValueError(f"logit_bias keys must be token ids, got a {len(token)}-digit number")
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
         return value
@@ -89,12 +111,36 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, value):
+        if isinstance(value, list) and value and all(isinstance(item, str | list) for item in value):
+            raise ValueError("a list of prompts is not supported by this server: send one prompt per request")
+        if isinstance(value, list):
+            for index, item in enumerate(value):
+                if type(item) is not int:
+                    raise ValueError(f"a token id prompt holds integers only, got {json_type(item)} at index {index}")
+        elif not isinstance(value, str):
+            raise ValueError(f"must be a string or an array of token ids, got {json_type(value)}")
+        return value
+
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, value):
+        if isinstance(value, list):
+            for index, part in enumerate(value):
+                if not isinstance(part, dict):
+                    raise ValueError(f"content parts are objects, got {json_type(part)} at index {index}")
+        elif value is not None and not isinstance(value, str):
+            raise ValueError(f"must be a string or an array of content parts, got {json_type(value)}")
+        return value
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -117,7 +163,7 @@ def unsupported_fields(body: SamplingFields) -> tuple[str, str] | None:
     ```
     """
     for name, value in (body.model_extra or {}).items():
-        if _is_off(value):
+        if _is_off(value) or _DEFAULTS.get(name, _NO_DEFAULT) == (type(value), value):
             continue
         if name in _TOOL_FIELDS:
             return name, f"{name}: tool and function calling is not supported by this server"
@@ -144,9 +190,24 @@ def unsupported_fields(body: SamplingFields) -> tuple[str, str] | None:
     return None
 
 
+_NO_DEFAULT = object()
+_DEFAULTS = {"best_of": (int, 1), "tool_choice": (str, "none")}  # what asks for the default behaviour: accepted
+
+
 def _is_off(value) -> bool:
     """Whether a field's value asks for nothing (`null`, `false`, `[]`, `{}`, `""`)."""
     return value is None or value is False or value == [] or value == {} or value == ""
+
+
+def json_type(value) -> str:
+    """How JSON names the type of a parsed value (`"a string"`, `"an integer"`, `"null"`, ...)."""
+    names = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "an array",
+             dict: "an object", type(None): "null"}  # fmt: skip
+    return names.get(type(value), type(value).__name__)
+
+
+def _shorten(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def message_text(message: ChatMessage) -> str:

@@ -40,11 +40,12 @@ def create_app(
 ) -> FastAPI:
     """A FastAPI app serving `loop.engine` as `model_name`: `/v1/completions`, `/v1/chat/completions` (both with
     server-sent-event streaming), `/v1/models`, `/health` and `/metrics`. With `api_key`, `/v1/*` needs
-    `Authorization: Bearer <api_key>`. Request bodies over `max_body_bytes` get 413 before they are read."""
+    `Authorization: Bearer <api_key>` (the scheme in any case). Request bodies over `max_body_bytes` get 413 before
+    they are read."""
     app = FastAPI(title="hf_paged", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     engine = loop.engine
-    encoder = PromptEncoder(engine.tokenizer, engine.max_context)
+    encoder = PromptEncoder(engine.tokenizer, engine.max_context, engine.vocab_size)
     token_text = TokenTexts(engine.tokenizer)
 
     @app.exception_handler(APIError)
@@ -68,8 +69,8 @@ def create_app(
     async def require_key(request: Request) -> None:
         if api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given.encode(), api_key.encode()):
             raise APIError(401, "invalid or missing API key", code="invalid_api_key")
 
     @app.get("/health")
