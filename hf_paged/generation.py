@@ -190,6 +190,22 @@ def _check_prompt(model: torch.nn.Module, input_ids: torch.Tensor | None) -> Non
             )
 
 
+def _check_prefill_chunks(generation_config, attention_mask: torch.Tensor | None) -> None:
+    """Refuse a `prefill_chunk_size` whose first chunk holds no real token of some left-padded row: a paged cache
+    stores no pad position, so such a row would have nothing to attend to in that chunk."""
+    chunk = getattr(generation_config, "prefill_chunk_size", None)
+    if chunk is None or attention_mask is None or attention_mask.dim() != 2:
+        return
+    leading = (attention_mask.to(torch.int32).cumsum(-1) == 0).sum(-1)
+    row = int(leading.argmax())
+    if attention_mask[row].any() and int(leading[row]) >= chunk:
+        raise ValueError(
+            f"prefill_chunk_size={chunk} leaves row {row} without a real token in the first prefill chunk (it has "
+            f"{int(leading[row])} left-pad positions); a paged cache stores no pad position, so every row needs one "
+            f"there: use a prefill_chunk_size above {int(leading[row])}, or none"
+        )
+
+
 def _generate_on_user_cache(model, cache: PagedCache, inputs, generation_config, input_ids, kwargs):
     """Stock `generate` continuing from the caller's `PagedCache`. A call that fails on a cache that held nothing
     leaves it empty again (its blocks back in the pool)."""
@@ -288,6 +304,7 @@ def _prepare_paged_cache(self, generation_config, model_kwargs, generation_mode,
         raise NotImplementedError(
             f"{type(self).__name__} keeps a recurrent state, not a KV cache; paged generation does not apply to it"
         )
+    _check_prefill_chunks(generation_config, model_kwargs.get("attention_mask"))
     request.cache = PagedCache(self, **request.config.options())
     if model_kwargs.get("inputs_embeds") is None and generation_mode in _MODES_THAT_SLICE_A_STARTED_CACHE:
         lookup = not _outputs_every_position(self, generation_config, {})

@@ -39,6 +39,38 @@ def assert_same_scores(reference, paged) -> None:
     assert gap <= TOLERANCE, f"scores differ by {gap:.2e}"
 
 
+# ---------------------------------------------------------------------- prefill_chunk_size
+@pytest.mark.parametrize("lengths", [[9, 9], [7, 9, 6], [2, 9]], ids=["equal", "padded", "pads-up-to-the-chunk"])
+def test_chunked_prefill_equals_stock(lengths):
+    model = tiny_model("llama")
+    input_ids, attention_mask = left_padded_batch(lengths, seed=5)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=6, output_logits=True)
+    reference = seeded(model, **kwargs)  # one forward over the whole prompt
+    pool = get_pool(model, **CACHE)
+    paged = seeded(model, **kwargs, prefill_chunk_size=4 if lengths != [2, 9] else 8, cache_implementation="paged",
+                   cache_config=CACHE)  # fmt: skip
+    assert_same_scores(reference, paged)
+    gap = max((a - b).abs().max().item() for a, b in zip(reference.logits, paged.logits))
+    assert gap <= TOLERANCE
+    paged.past_key_values.release()  # returned by `return_dict_in_generate`: held until released
+    pool.check_invariants()
+    assert pool.stats().num_used == 0
+
+
+def test_a_first_prefill_chunk_of_only_pads_is_refused_naming_the_chunk_size():
+    """Stock runs it (the row attends to its pad K/V); a paged cache stores no pad, so the row has nothing to attend
+    to in that chunk. Before the check the refusal spoke of an empty prompt."""
+    model = tiny_model("llama")
+    input_ids, attention_mask = left_padded_batch([5, 9, 3], seed=5)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=4, prefill_chunk_size=4)
+    assert seeded(model, **kwargs).sequences.shape == (3, 13)  # stock
+    pool = get_pool(model, **CACHE)
+    with pytest.raises(ValueError, match=r"prefill_chunk_size=4 leaves row 2 .* 6 left-pad .* above 6"):
+        seeded(model, **kwargs, cache_implementation="paged", cache_config=CACHE)
+    pool.check_invariants()
+    assert pool.stats().num_used == 0
+
+
 # ---------------------------------------------------------------------- use_cache=False
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gemma3"])
