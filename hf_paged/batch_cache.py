@@ -174,7 +174,8 @@ class BatchCache(Cache, ForwardBoundCache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write layer `layer_idx`'s new K/V (`[batch, num_kv_heads, new positions, head_dim]`) through the running
-        forward's write slots; returns the new K/V under `"hf_paged"` attention, else the layer's K/V read densely."""
+        forward's write slots; returns the new K/V under `"hf_paged"` attention, else the layer's K/V read densely
+        (the new positions' own K/V at the end, pads included)."""
         batch = self._batch_for(layer_idx, key_states)
         unread = batch.unread_layer(layer_idx, len(self.layers))
         if unread is not None:
@@ -189,7 +190,12 @@ class BatchCache(Cache, ForwardBoundCache):
             self.pool.index_full_blocks(batch.rows, self.planner.roots, share=False)
         if batch.reads_tables:
             return key_states, value_states
-        return batch.read(storage, layer_idx)
+        keys, values = batch.read(storage, layer_idx)
+        # the new positions attend to this forward's own K/V, as in stock: the same values where stored, and the
+        # left pads' (never stored; only the pad queries of this forward can see them)
+        new = key_states.shape[2]
+        keys[:, :, -new:], values[:, :, -new:] = key_states, value_states
+        return keys, values
 
     def read_layer(
         self, layer_idx: int | None, rows: torch.Tensor | None = None, start: int = 0, stop: int | None = None

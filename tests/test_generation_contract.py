@@ -155,6 +155,26 @@ def test_hidden_states_cover_every_prompt_position_despite_a_cached_prefix(llama
     paged.past_key_values.release()
 
 
+@pytest.mark.parametrize("attention", ["eager", "hf_paged"])
+def test_hidden_states_at_left_pads_are_stock_under_eager_math(attention):
+    """Eager attention spreads a pad query's weight over every key, pads included: the pad positions' hidden states
+    depend on the pads' K/V, which a paged cache never stores. The new positions attend to the forward's own K/V,
+    so every position, pads too, equals stock (before: the pad positions differed by up to ~3)."""
+    model = tiny_model("llama", attn_implementation="eager")
+    input_ids, attention_mask = left_padded_batch([5, 9, 3], seed=6)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=3, do_sample=False,
+                  output_hidden_states=True, output_attentions=True)  # fmt: skip
+    reference = seeded(model, **kwargs)
+    options = {**CACHE, "attn_implementation": attention} if attention == "hf_paged" else CACHE
+    paged = seeded(model, **kwargs, cache_implementation="paged", cache_config=options)
+    assert_same_scores(reference, paged)
+    for step_reference, step_paged in zip(reference.hidden_states, paged.hidden_states, strict=True):
+        for a, b in zip(step_reference, step_paged, strict=True):
+            assert a.shape == b.shape and (a - b).abs().max() <= TOLERANCE
+    assert attentions_gap(reference, paged) <= TOLERANCE
+    paged.past_key_values.release()
+
+
 def test_hf_paged_attention_returns_weights_when_asked():
     """Asked for by name, the "hf_paged" attention computes the weights itself (reading K/V through the block
     tables) and they equal stock eager attention's, on a left-padded batch."""
