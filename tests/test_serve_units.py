@@ -77,6 +77,15 @@ def test_chat_content_of_a_wrong_type_is_named(content, message):
     assert error.param == "messages.0.content" and message in error.message
 
 
+@pytest.mark.parametrize("message", [{"role": "user"}, {"role": "system", "content": None}])
+def test_a_user_or_system_message_needs_content(message):
+    raw = json.dumps({"model": "m", "messages": [message]}).encode()
+    error = parse_error(raw, ChatCompletionRequest)
+    assert error.param == "messages.0.content" and f"a {message['role']} message needs content" in error.message
+    assistant = {"model": "m", "messages": [{"role": "assistant"}, {"role": "user", "content": ""}]}
+    assert parse_body(json.dumps(assistant).encode(), ChatCompletionRequest).messages[0].content is None
+
+
 def test_null_stands_for_the_default_as_in_openai():
     nulls = dict.fromkeys(["temperature", "top_p", "n", "stream", "echo", "frequency_penalty", "presence_penalty"])
     body = parse_body(json.dumps({"model": "m", "prompt": "hi", **nulls}).encode(), CompletionRequest)

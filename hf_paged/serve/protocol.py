@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -129,7 +129,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict] | None = None
+    content: str | list[dict] | None = Field(default=None, validate_default=True)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -140,6 +140,14 @@ class ChatMessage(BaseModel):
                     raise ValueError(f"content parts are objects, got {json_type(part)} at index {index}")
         elif value is not None and not isinstance(value, str):
             raise ValueError(f"must be a string or an array of content parts, got {json_type(value)}")
+        return value
+
+    @field_validator("content")
+    @classmethod
+    def _content_required(cls, value, info: ValidationInfo):
+        role = info.data.get("role")
+        if value is None and role in ("system", "user", "developer"):
+            raise ValueError(f"a {role} message needs content")
         return value
 
 
