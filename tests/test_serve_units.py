@@ -116,6 +116,7 @@ def test_a_surrogate_deep_in_chat_messages_is_located():
             {"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "b", "tool_call_id": "1"}]},
             "messages.1.tool_call_id",
         ),
+        ({"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}]}, "messages.1.role"),
     ],
 )
 def test_fields_that_cannot_be_honoured_are_named(fields, param):

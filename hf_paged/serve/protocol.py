@@ -188,6 +188,9 @@ def unsupported_fields(body: SamplingFields) -> tuple[str, str] | None:
                 if not _is_off(value):
                     where = f"messages.{index}.{name}"
                     return where, f"{where}: this message field is not supported by this server"
+            if message.role == "tool":  # a tool's result answers a tool call, which this server never makes
+                where = f"messages.{index}.role"
+                return where, f"{where}: tool messages need tool calling, which is not supported by this server"
             if isinstance(message.content, list):
                 for part in message.content:
                     if part.get("type") != "text" or not isinstance(part.get("text"), str):
