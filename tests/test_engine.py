@@ -523,3 +523,105 @@ def test_an_eager_model_runs_packed_steps_in_eager_math(workload):
     with Engine(model, block_size=4, num_blocks=256, attn_implementation="eager") as padded:
         assert served(padded) == expected
         assert padded.stats().pad_positions > 0 and not padded.cache.eager_math
+
+
+# ---------------------------------------------------------------------- callers, ids, prompts and configs
+def test_a_failing_generate_leaves_nothing_of_its_call_behind(model, workload):
+    """A bad last prompt used to leave the earlier ones queued, and an interrupted call its requests waiting or
+    running: the next `generate` of one prompt ran them all, and nobody ever got their outputs."""
+    prompts, news, expected = workload
+    engine = Engine(model, block_size=4, num_blocks=128)
+    with pytest.raises(ValueError, match="token ids must be ints"):
+        engine.generate([prompts[0], prompts[1], [1, 500]], max_new_tokens=4)
+    assert not engine.has_unfinished_requests() and engine.pool.stats().num_used == 0
+    calls = {"n": 0}
+
+    def interrupt_third_forward(module, args):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+
+    handle = model.model.layers[1].register_forward_pre_hook(interrupt_third_forward)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate(prompts[:4], max_new_tokens=8)
+    finally:
+        handle.remove()
+    engine.pool.check_invariants()
+    assert not engine.has_unfinished_requests() and engine.pool.stats().num_used == 0
+    [only] = engine.generate([prompts[5]], max_new_tokens=news[5], min_new_tokens=news[5])
+    assert only.token_ids == expected[5] and engine.last_stats.num_requests == 1
+
+
+def test_automatic_ids_skip_the_ids_callers_chose(model, workload):
+    prompts, news, expected = workload
+    engine = Engine(model, block_size=4, num_blocks=128)
+    chosen = engine.add_request(prompts[0], request_id="req-1", max_new_tokens=news[0], min_new_tokens=news[0])
+    automatic = [engine.add_request(p, max_new_tokens=n, min_new_tokens=n) for p, n in zip(prompts[1:3], news[1:3])]
+    assert len({chosen, *automatic}) == 3
+    finals = drive(engine)
+    assert [finals[i].token_ids for i in [chosen, *automatic]] == expected[:3]
+
+
+def test_generate_leaves_other_callers_final_outputs_to_step(model, workload):
+    """A request another caller queued finishes while `generate` steps for its own: its final output used to be
+    dropped with it (the request forgotten, `abort` returning None); the next `step()` reports it."""
+    prompts, news, expected = workload
+    engine = Engine(model, block_size=4, num_blocks=128)
+    other = engine.add_request(prompts[0], max_new_tokens=2, min_new_tokens=2)
+    [mine] = engine.generate([prompts[1]], max_new_tokens=news[1], min_new_tokens=news[1])
+    assert mine.token_ids == expected[1]
+    [reported] = engine.step()
+    assert reported.request_id == other and reported.finished and reported.token_ids == expected[0][:2]
+    assert engine.step() == [] and engine.pool.stats().num_used == 0
+
+
+def test_sampling_without_top_k_uses_generates_default(model):
+    """Stock `generate` samples with top_k=50 when neither the model's config nor the call sets it; the Engine
+    sampled from the whole vocabulary."""
+    prompt = [5, 6, 7, 8]
+    engine = Engine(model, block_size=4, num_blocks=64)
+    for seed in range(4):
+        torch.manual_seed(seed)
+        stock = model.generate(torch.tensor([prompt]), do_sample=True, max_new_tokens=8, min_new_tokens=8)
+        [output] = engine.generate([prompt], do_sample=True, max_new_tokens=8, min_new_tokens=8, seed=seed)
+        assert output.token_ids == stock[0, len(prompt) :].tolist()
+    assert engine._params(None, {"do_sample": True}).top_k == 50
+    assert engine._params(hf_paged.SamplingParams(do_sample=True), {}).top_k == 0  # SamplingParams' own default
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (GenerationConfig(max_length=8), "max_length=8"),
+        (GenerationConfig(num_beams=3), "num_beams=3"),
+        (GenerationConfig(bad_words_ids=[[5]]), "bad_words_ids"),
+        (GenerationConfig(suppress_tokens=[5]), "suppress_tokens"),
+        (GenerationConfig(min_length=6), "min_length=6"),
+    ],
+)
+def test_generation_config_options_the_engine_does_not_implement_are_refused(model, config, message):
+    engine = Engine(model, block_size=4, num_blocks=32)
+    with pytest.raises(ValueError, match=f"{message}.*which the Engine does not implement"):
+        engine.add_request([1, 2, 3], config)
+    assert not engine.has_unfinished_requests()
+    engine.add_request([1, 2, 3], GenerationConfig(max_length=8, max_new_tokens=3))  # max_new_tokens wins
+    with pytest.raises(TypeError, match="generation_config must be a GenerationConfig or SamplingParams, got dict"):
+        engine.add_request([1, 2, 3], {"max_new_tokens": 3})
+    engine.close()
+
+
+def test_prompt_forms(model, workload):
+    np = pytest.importorskip("numpy")
+    prompts, news, expected = workload
+    engine = Engine(model, block_size=4, num_blocks=128)
+    options = {"max_new_tokens": news[0], "min_new_tokens": news[0]}
+    as_numpy = [np.int64(t) for t in prompts[0]]
+    assert [o.token_ids for o in engine.generate([as_numpy], **options)] == [expected[0]]
+    assert [o.token_ids for o in engine.generate(np.array(prompts[0]), **options)] == [expected[0]]
+    with pytest.raises(ValueError, match=r"must be 1-D or \[1, length\], got shape \(2, 3\)"):
+        engine.add_request(torch.tensor([[5, 6, 7], [8, 9, 10]]))  # was one prompt of 6 tokens
+    for bad in (None, 5.0, []):
+        with pytest.raises(ValueError, match="prompts must be a string, token ids, a tensor"):
+            engine.generate(bad)
+    assert not engine.has_unfinished_requests() and engine.pool.stats().num_used == 0

@@ -107,8 +107,14 @@ def test_streamed_logprobs_come_with_their_tokens_and_only_when_asked(llama):
         ({"seed": -1}, "seed must be in [0, 2**64), got -1"),
         ({"logprobs": -1}, "logprobs must be None or an int >= 0, got -1"),
         ({"logit_bias": {128: 1.0}}, "logit_bias token ids must be in [0, 128), got [128]"),
-        ({"logit_bias": {3: float("nan")}}, "logit_bias values must be finite numbers, got nan for token 3"),
-        ({"frequency_penalty": float("inf")}, "frequency_penalty must be a finite number, got inf"),
+        (
+            {"logit_bias": {3: float("nan")}},
+            "logit_bias values must be numbers in [-100.0, 100.0], got nan for token 3",
+        ),
+        # finite in Python, infinite in the float32 logits (they failed every request of the step)
+        ({"logit_bias": {3: 1e39}}, "logit_bias values must be numbers in [-100.0, 100.0], got 1e+39 for token 3"),
+        ({"frequency_penalty": float("inf")}, "frequency_penalty must be a number in [-2.0, 2.0], got inf"),
+        ({"presence_penalty": 1e39}, "presence_penalty must be a number in [-2.0, 2.0], got 1e+39"),
     ],
 )
 def test_bad_options_are_refused_clearly(llama, options, message):

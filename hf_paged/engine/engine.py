@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import operator
 import sys
 import threading
 import time
@@ -113,6 +114,7 @@ class Engine:
         self._lock = threading.RLock()
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self._held_outputs: list[RequestOutput] = []  # other callers' final outputs a generate/stream call stepped
         self.last_stats: EngineStats | None = None
         self.reset_stats()
 
@@ -149,6 +151,8 @@ class Engine:
         with self._lock:
             if request_id is None:
                 request_id = f"req-{next(self._ids)}"
+                while request_id in self._requests:  # a caller chose this one
+                    request_id = f"req-{next(self._ids)}"
             elif request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
             text = None if self.tokenizer is None else TextTracker(self.tokenizer, params.stop)
@@ -222,7 +226,8 @@ class Engine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """Run one forward (prefill or decode) and return the output of every request that changed; finished
-        requests are reported once and forgotten."""
+        requests are reported once and forgotten. Requests a `generate` or `stream` call finished while it stepped
+        for its own are reported by the next `step()`."""
         with self._lock:
             changed = [r for r in self._requests.values() if r.finished]  # max_new_tokens=0, or failed earlier
             if self.planner.prefix_caching:  # the weights may have been trained since the last step
@@ -236,7 +241,7 @@ class Engine:
             if step is not None:
                 changed += self._run(step)
             self._last_step_time = time.perf_counter()
-            outputs = []
+            outputs, self._held_outputs = self._held_outputs, []
             for request in dict.fromkeys(changed):
                 outputs.append(request.output())
                 if request.finished:
@@ -351,8 +356,12 @@ class Engine:
         prompts = _as_prompt_list(prompts)
         configs = _per_prompt(generation_config, len(prompts))
         self.reset_stats()
-        ids = [self.add_request(p, c, **options) for p, c in zip(prompts, configs)]
-        results = self._drive(ids, progress)
+        ids = self._add_all(prompts, configs, options)
+        try:
+            results = self._drive(ids, progress)
+        except BaseException:  # an error or an interrupt: nobody will collect this call's requests
+            self._forget(ids)
+            raise
         self.last_stats = self.stats()
         return [results[i] for i in ids]
 
@@ -366,15 +375,33 @@ class Engine:
         produce it. Closing the iterator early aborts the requests not yet finished."""
         prompts = _as_prompt_list(prompts)
         configs = _per_prompt(generation_config, len(prompts))
-        ids = [self.add_request(p, c, **options) for p, c in zip(prompts, configs)]
-        pending = set(ids)
+        pending = set(self._add_all(prompts, configs, options))
         try:
-            yield from outputs_until_finished(self.step, pending)
+            yield from outputs_until_finished(self.step, pending, self._held_outputs.append)
         finally:
-            with self._lock:
-                for request_id in pending:  # the caller stopped listening: nobody needs their final report
-                    if self.abort(request_id) is not None:
-                        self._account_finished(self._requests.pop(request_id))
+            self._forget(pending)  # the caller stopped listening: nobody needs their final report
+
+    def _add_all(self, prompts: list, configs: list, options: dict) -> list[str]:
+        """Queue every prompt, or none: a bad prompt or option leaves nothing of the call queued."""
+        ids: list[str] = []
+        try:
+            for prompt, config in zip(prompts, configs):
+                ids.append(self.add_request(prompt, config, **options))
+        except BaseException:
+            self._forget(ids)
+            raise
+        return ids
+
+    def _forget(self, request_ids) -> None:
+        """Abort those of `request_ids` still unfinished and drop them all unreported (their caller is gone)."""
+        with self._lock:
+            for request_id in request_ids:
+                request = self._requests.pop(request_id, None)
+                if request is None:
+                    continue
+                if not request.finished:
+                    self.scheduler.finish(request, "abort")
+                self._account_finished(request)
 
     def _drive(self, ids: list[str], progress: bool | None) -> dict[str, RequestOutput]:
         from tqdm.auto import tqdm
@@ -390,6 +417,8 @@ class Engine:
                         pending.discard(output.request_id)
                         results[output.request_id] = output
                         bar.update(1)
+                    elif output.finished:  # another caller's request
+                        self._held_outputs.append(output)
         return results
 
     # ------------------------------------------------------------------ stats and shutdown
@@ -474,10 +503,17 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError("string prompts need a tokenizer: Engine(model, tokenizer)")
             ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        elif isinstance(prompt, torch.Tensor):
+        elif hasattr(prompt, "ndim") and hasattr(prompt, "tolist"):  # a torch tensor or a numpy array
+            if prompt.ndim > 1 and prompt.shape[0] != 1 or prompt.ndim > 2:
+                raise ValueError(
+                    f"a prompt tensor must be 1-D or [1, length], got shape {tuple(prompt.shape)} (several prompts: "
+                    "add them one by one, or pass the tensor to generate)"
+                )
             ids = prompt.reshape(-1).tolist()
+        elif isinstance(prompt, Sequence):
+            ids = [operator.index(t) if _is_token(t) else t for t in prompt]  # numpy integers are token ids too
         else:
-            ids = list(prompt)
+            raise ValueError(f"a prompt must be a string or a sequence of token ids, got {type(prompt).__name__}")
         bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token ids must be ints in [0, {self.vocab_size}), got {bad[:5]}")
@@ -490,15 +526,18 @@ class Engine:
         return ids
 
 
-def outputs_until_finished(step, pending: set[str]) -> Iterator[RequestOutput]:
+def outputs_until_finished(step, pending: set[str], hold=None) -> Iterator[RequestOutput]:
     """The outputs of the `pending` requests as `step()` produces them, until every one has finished; `pending` is
-    left holding the ids not finished yet (for the caller to abort when the iterator is closed early)."""
+    left holding the ids not finished yet (for the caller to abort when the iterator is closed early). Other
+    requests' final outputs go to `hold` (when given), for their own caller."""
     while pending:
         for output in step():
             if output.request_id in pending:
                 if output.finished:
                     pending.discard(output.request_id)
                 yield output
+            elif output.finished and hold is not None:
+                hold(output)
 
 
 def _pad_token_id(model, tokenizer) -> int:
@@ -514,11 +553,30 @@ def _fields(params: SamplingParams) -> dict:
 
 
 def _as_prompt_list(prompts) -> list:
-    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+    """One prompt (a string, token ids, a 1-D tensor or array) or several (a list of them, a 2-D tensor or array)
+    as a list of prompts."""
+    if hasattr(prompts, "ndim") and hasattr(prompts, "tolist"):  # a torch tensor or a numpy array
+        if prompts.ndim not in (1, 2):
+            raise ValueError(f"a tensor of prompts must be 1-D or 2-D, got shape {tuple(prompts.shape)}")
+        return prompts.tolist() if prompts.ndim == 2 else [prompts.tolist()]
+    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and _is_token(prompts[0])):
         return [prompts]
-    if isinstance(prompts, torch.Tensor):
-        return [row for row in prompts.tolist()] if prompts.dim() == 2 else [prompts.tolist()]
+    if not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError(
+            f"prompts must be a string, token ids, a tensor, or a non-empty list of these, got {prompts!r:.80}"
+        )
     return list(prompts)
+
+
+def _is_token(value) -> bool:
+    """Whether `value` is one token id (an int, a numpy integer or a 0-d integer tensor; not a bool)."""
+    if isinstance(value, bool) or isinstance(value, float):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _per_prompt(generation_config, count: int) -> list:

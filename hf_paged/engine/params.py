@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 
@@ -17,6 +16,34 @@ _FROM_GENERATION_CONFIG = (
     "top_p",
     "repetition_penalty",
 )
+STOCK_DEFAULT_TOP_K = 50  # what `generate` samples with when neither the model's config nor the call sets `top_k`
+MAX_PENALTY = 2.0  # frequency and presence penalties, as OpenAI's
+MAX_LOGIT_BIAS = 100.0  # as OpenAI's
+# GenerationConfig options that change which tokens come out and that the Engine does not implement, with the values
+# that leave them off: any other value is refused rather than ignored
+_UNIMPLEMENTED = {
+    "max_length": (None,),  # off too whenever max_new_tokens is set (it takes precedence, as in generate)
+    "min_length": (None, 0),
+    "num_beams": (None, 1),
+    "num_return_sequences": (None, 1),
+    "num_beam_groups": (None, 1),
+    "suppress_tokens": (None, []),
+    "begin_suppress_tokens": (None, []),
+    "bad_words_ids": (None, []),
+    "sequence_bias": (None, {}),
+    "no_repeat_ngram_size": (None, 0),
+    "typical_p": (None, 1.0),
+    "min_p": (None, 0.0),
+    "top_h": (None,),
+    "epsilon_cutoff": (None, 0.0),
+    "eta_cutoff": (None, 0.0),
+    "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,),
+    "exponential_decay_length_penalty": (None,),
+    "guidance_scale": (None, 1.0),
+    "renormalize_logits": (None, False),
+    "watermarking_config": (None,),
+}
 
 
 @dataclass(frozen=True)
@@ -34,11 +61,11 @@ class SamplingParams:
         stop (`tuple[str, ...]`): strings that end the request (cut from its text; needs a tokenizer).
         seed (`int`, *optional*): seed of the request's own random generator (in `[0, 2**64)`), so its samples do
             not depend on the other requests in the batch.
-        frequency_penalty, presence_penalty (`float`): OpenAI's additive penalties: a token's logit is lowered by
-            `frequency_penalty` times the number of times it was generated so far, plus `presence_penalty` if it was
-            generated at all (the prompt does not count); 0.0: off.
+        frequency_penalty, presence_penalty (`float`): OpenAI's additive penalties, in [-2, 2]: a token's logit is
+            lowered by `frequency_penalty` times the number of times it was generated so far, plus
+            `presence_penalty` if it was generated at all (the prompt does not count); 0.0: off.
         logit_bias (`tuple[tuple[int, float], ...]`): `(token id, bias)` pairs added to the logits before sampling (a
-            `dict` is accepted); -100 in practice bans a token, +100 forces it.
+            `dict` is accepted), biases in [-100, 100]; -100 in practice bans a token, +100 forces it.
         logprobs (`int`, *optional*): report each generated token's log-probability under the model's distribution
             (the raw logits, before penalties, bias and temperature) and the `logprobs` most likely tokens at that
             position; `None`: report nothing.
@@ -94,8 +121,8 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not abs(value) <= MAX_PENALTY:
+                raise ValueError(f"{name} must be a number in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value!r}")
         if self.logprobs is not None and (
             isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or self.logprobs < 0
         ):
@@ -104,13 +131,20 @@ class SamplingParams:
     @classmethod
     def from_generation_config(cls, generation_config: GenerationConfig | None = None, **overrides) -> SamplingParams:
         """Options from a `GenerationConfig` (the model's, usually), then `overrides` (`eos_token_id`, `stop` or
-        `stop_strings`, `seed` and the fields above). Unknown names raise `TypeError`."""
+        `stop_strings`, `seed` and the fields above). Unknown names raise `TypeError`; a config option that would
+        change the output and that the Engine does not implement (`num_beams`, `bad_words_ids`, `max_length`
+        without `max_new_tokens`, ...) raises `ValueError`. An unset `top_k` is `generate`'s default, 50."""
         known = {f.name for f in fields(cls)} | {"stop_strings"}
         unknown = sorted(set(overrides) - known)
         if unknown:
             raise TypeError(f"unknown generation options {unknown}; supported: {sorted(known)}")
+        if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+            kind = type(generation_config).__name__
+            raise TypeError(f"generation_config must be a GenerationConfig or SamplingParams, got {kind}")
         values = {}
         if generation_config is not None:
+            _check_implemented(generation_config, "max_new_tokens" in overrides)
+            values["top_k"] = STOCK_DEFAULT_TOP_K
             for name in _FROM_GENERATION_CONFIG:
                 value = getattr(generation_config, name, None)
                 if value is not None:
@@ -142,6 +176,19 @@ class SamplingParams:
         )
 
 
+def _check_implemented(config: GenerationConfig, max_new_tokens_given: bool) -> None:
+    for name, off in _UNIMPLEMENTED.items():
+        value = getattr(config, name, None)
+        if name == "max_length" and (max_new_tokens_given or config.max_new_tokens is not None):
+            continue
+        if not any(value == neutral for neutral in off):
+            raise ValueError(
+                f"the generation config sets {name}={value!r}, which the Engine does not implement (it would change "
+                f"the output); leave it unset{' and set max_new_tokens' if name == 'max_length' else ''}, or use "
+                "model.generate"
+            )
+
+
 def _as_tuple(value, kind: type, name: str) -> tuple:
     if value is None:
         return ()
@@ -164,6 +211,9 @@ def _as_bias(value) -> tuple[tuple[int, float], ...]:
     for token, bias in pairs:
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
             raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
-        if isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias):
-            raise ValueError(f"logit_bias values must be finite numbers, got {bias!r} for token {token}")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not abs(bias) <= MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {bias!r} for token "
+                f"{token}"
+            )
     return tuple(sorted((token, float(bias)) for token, bias in pairs))
