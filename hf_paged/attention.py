@@ -128,11 +128,7 @@ def paged_attention_forward(
                     s_aux,
                     **kwargs,
                 )
-        new = key.shape[2]
-        keys, values = paged_cache.read_layer(layer_idx)
-        # the new positions attend to this forward's own K/V, as in stock (left pads' are never stored)
-        keys[:, :, -new:], values[:, :, -new:] = key, value
-        key, value = keys, values
+        key, value = paged_cache.read_layer(layer_idx, new=(key, value))  # the left pads' K/V too, as in stock
     return _attention(module, query, key, value, attention_mask, scaling, dropout, softcap, s_aux, **kwargs)
 
 

@@ -286,16 +286,23 @@ class ForwardBatch:
         rows: torch.Tensor | None = None,
         start: int = 0,
         stop: int | None = None,
+        new: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of `layer_idx` for the padded positions it attends to, gathered through the block tables:
         `[batch, num_kv_heads, positions, head_dim]`; only `rows` (default: all) and positions `start .. stop - 1`
-        (default: all; never before what the layer's window reads) when given."""
+        (default: all; never before what the layer's window reads) when given. `new`: the forward's own K/V of its
+        new positions, put in the last positions read (what stock attends to: the values stored, and the left pads'
+        K/V, which are never stored and which only this forward's pad queries see)."""
         if layer_idx not in self.layers_written:
             raise RuntimeError(f"layer {layer_idx} did not write its K/V in this forward")
         self.layers_read.add(layer_idx)
         local = self.groups[self.layout.group_of[layer_idx]].on(storage.device_of(layer_idx))
         first = max(start, self.layout.first_read(layer_idx, self.past_length))
-        return storage.gather(layer_idx, *local.read_index(storage.num_heads(layer_idx), first, stop, rows))
+        keys, values = storage.gather(layer_idx, *local.read_index(storage.num_heads(layer_idx), first, stop, rows))
+        if new is not None:
+            count = new[0].shape[2]
+            keys[:, :, -count:], values[:, :, -count:] = new
+        return keys, values
 
     def key_groups(self, cost: int) -> list[KeyGroup] | None:
         """How the rows of a right-aligned forward split to read their keys (`key_groups.split_by_length`, each

@@ -190,23 +190,24 @@ class BatchCache(Cache, ForwardBoundCache):
             self.pool.index_full_blocks(batch.rows, self.planner.roots, share=False)
         if batch.reads_tables:
             return key_states, value_states
-        keys, values = batch.read(storage, layer_idx)
-        # the new positions attend to this forward's own K/V, as in stock: the same values where stored, and the
-        # left pads' (never stored; only the pad queries of this forward can see them)
-        new = key_states.shape[2]
-        keys[:, :, -new:], values[:, :, -new:] = key_states, value_states
-        return keys, values
+        return batch.read(storage, layer_idx, new=(key_states, value_states))
 
     def read_layer(
-        self, layer_idx: int | None, rows: torch.Tensor | None = None, start: int = 0, stop: int | None = None
+        self,
+        layer_idx: int | None,
+        rows: torch.Tensor | None = None,
+        start: int = 0,
+        stop: int | None = None,
+        new: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of `layer_idx` (default: the layer that wrote last) for every padded position it attends to, gathered
         through the block tables: `[batch, num_kv_heads, length, head_dim]`; only `rows` and positions `start ..
-        stop - 1` when given (see `ForwardBatch.read`)."""
+        stop - 1` when given, the forward's own K/V `new` in the last positions (see `ForwardBatch.read`)."""
         batch = self._batch
         if batch is None or batch.last_layer is None:
             raise RuntimeError("read_layer called before any update in this forward")
-        return batch.read(self.pool.storage, batch.last_layer if layer_idx is None else layer_idx, rows, start, stop)
+        layer_idx = batch.last_layer if layer_idx is None else layer_idx
+        return batch.read(self.pool.storage, layer_idx, rows, start, stop, new)
 
     def key_groups(self):
         """How the running right-aligned forward's rows split to read their keys (`ForwardBatch.key_groups`), or

@@ -197,8 +197,9 @@ def _check_prefill_chunks(generation_config, attention_mask: torch.Tensor | None
     if chunk is None or attention_mask is None or attention_mask.dim() != 2:
         return
     leading = (attention_mask.to(torch.int32).cumsum(-1) == 0).sum(-1)
+    leading = leading.where(attention_mask.bool().any(-1), 0)  # an empty row is refused on its own, later
     row = int(leading.argmax())
-    if attention_mask[row].any() and int(leading[row]) >= chunk:
+    if int(leading[row]) >= chunk:
         raise ValueError(
             f"prefill_chunk_size={chunk} leaves row {row} without a real token in the first prefill chunk (it has "
             f"{int(leading[row])} left-pad positions); a paged cache stores no pad position, so every row needs one "

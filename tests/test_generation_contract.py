@@ -69,6 +69,10 @@ def test_a_first_prefill_chunk_of_only_pads_is_refused_naming_the_chunk_size():
         seeded(model, **kwargs, cache_implementation="paged", cache_config=CACHE)
     pool.check_invariants()
     assert pool.stats().num_used == 0
+    attention_mask[0] = 0  # an empty row beside it: the padded row is still the one named
+    with pytest.raises(ValueError, match=r"leaves row 2 "):
+        seeded(model, **{**kwargs, "attention_mask": attention_mask}, cache_implementation="paged", cache_config=CACHE)
+    assert pool.stats().num_used == 0
 
 
 # ---------------------------------------------------------------------- use_cache=False

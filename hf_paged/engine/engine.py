@@ -504,7 +504,7 @@ class Engine:
                 raise ValueError("string prompts need a tokenizer: Engine(model, tokenizer)")
             ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         elif hasattr(prompt, "ndim") and hasattr(prompt, "tolist"):  # a torch tensor or a numpy array
-            if prompt.ndim > 1 and prompt.shape[0] != 1 or prompt.ndim > 2:
+            if prompt.ndim > 2 or (prompt.ndim == 2 and prompt.shape[0] != 1):
                 raise ValueError(
                     f"a prompt tensor must be 1-D or [1, length], got shape {tuple(prompt.shape)} (several prompts: "
                     "add them one by one, or pass the tensor to generate)"
@@ -570,7 +570,7 @@ def _as_prompt_list(prompts) -> list:
 
 def _is_token(value) -> bool:
     """Whether `value` is one token id (an int, a numpy integer or a 0-d integer tensor; not a bool)."""
-    if isinstance(value, bool) or isinstance(value, float):
+    if isinstance(value, bool | float):
         return False
     try:
         operator.index(value)
