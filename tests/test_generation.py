@@ -104,7 +104,7 @@ def test_stock_attention_reads_a_paged_cache(implementation):
 def test_hf_paged_attention_reads_through_block_tables(llama, monkeypatch):
     reads = []
     original = PagedCache.read_layer
-    monkeypatch.setattr(PagedCache, "read_layer", lambda self, i: reads.append(i) or original(self, i))
+    monkeypatch.setattr(PagedCache, "read_layer", lambda self, i, **kw: reads.append(i) or original(self, i, **kw))
     input_ids, attention_mask = left_padded_batch([3, 6])
     llama.generate(
         input_ids=input_ids,

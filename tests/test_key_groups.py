@@ -71,8 +71,8 @@ def every_length_its_own_group(monkeypatch):
     reads = []
     read = ForwardBatch.read
 
-    def recording_read(self, storage, layer_idx, rows=None, start=0, stop=None):
-        keys, values = read(self, storage, layer_idx, rows, start, stop)
+    def recording_read(self, storage, layer_idx, rows=None, start=0, stop=None, new=None):
+        keys, values = read(self, storage, layer_idx, rows, start, stop, new)
         reads.append((keys.shape[0], keys.shape[2], self.packed is not None))
         return keys, values
 
