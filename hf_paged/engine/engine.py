@@ -514,7 +514,7 @@ class Engine:
             ids = [operator.index(t) if _is_token(t) else t for t in prompt]  # numpy integers are token ids too
         else:
             raise ValueError(f"a prompt must be a string or a sequence of token ids, got {type(prompt).__name__}")
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        bad = out_of_vocabulary(ids, self.vocab_size)
         if bad:
             raise ValueError(f"token ids must be ints in [0, {self.vocab_size}), got {bad[:5]}")
         if not ids:
@@ -524,6 +524,11 @@ class Engine:
                 f"the prompt has {len(ids)} tokens; the model's context window is {self.max_context} tokens"
             )
         return ids
+
+
+def out_of_vocabulary(token_ids, vocab_size: int) -> list:
+    """The entries of `token_ids` that are no token id of a `vocab_size` vocabulary (not an int, or out of range)."""
+    return [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
 
 
 def outputs_until_finished(step, pending: set[str], hold=None) -> Iterator[RequestOutput]:

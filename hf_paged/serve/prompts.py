@@ -4,6 +4,7 @@ from a worker thread."""
 
 from __future__ import annotations
 
+from ..engine.engine import out_of_vocabulary
 from .errors import APIError
 
 
@@ -59,7 +60,7 @@ class PromptEncoder:
     def encode(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a completion prompt (token ids are returned as given, once checked against the vocabulary)."""
         if isinstance(prompt, list):
-            bad = [t for t in prompt if self.vocab_size is not None and not 0 <= t < self.vocab_size]
+            bad = [] if self.vocab_size is None else out_of_vocabulary(prompt, self.vocab_size)
             if bad:
                 raise APIError(400, f"prompt: token ids must be in [0, {self.vocab_size}), got {bad[:5]}", "prompt")
             return prompt

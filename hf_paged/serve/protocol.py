@@ -171,7 +171,7 @@ def unsupported_fields(body: SamplingFields) -> tuple[str, str] | None:
     ```
     """
     for name, value in (body.model_extra or {}).items():
-        if _is_off(value) or _DEFAULTS.get(name, _NO_DEFAULT) == (type(value), value):
+        if _is_off(value) or _DEFAULTS.get(name) == (type(value), value):
             continue
         if name in _TOOL_FIELDS:
             return name, f"{name}: tool and function calling is not supported by this server"
@@ -201,7 +201,6 @@ def unsupported_fields(body: SamplingFields) -> tuple[str, str] | None:
     return None
 
 
-_NO_DEFAULT = object()
 _DEFAULTS = {"best_of": (int, 1), "tool_choice": (str, "none")}  # what asks for the default behaviour: accepted
 
 
