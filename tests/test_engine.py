@@ -321,6 +321,34 @@ def test_a_failing_forward_fails_its_batch_and_the_engine_recovers(model, worklo
     assert [o.token_ids for o in outputs] == [e[:6] for e in expected[:3]]
 
 
+class FailsOnToken:
+    """A tokenizer whose `decode` raises on one token id (as sentencepiece does for an id past its vocabulary)."""
+
+    eos_token_id = None
+
+    def __init__(self, bad_token: int):
+        self.bad_token = bad_token
+
+    def decode(self, ids, skip_special_tokens=True):
+        if self.bad_token in ids:
+            raise IndexError("piece id is out of range")
+        return " ".join(map(str, ids))
+
+
+def test_a_token_the_tokenizer_cannot_decode_fails_its_request_alone(model, workload):
+    prompts, news, expected = workload
+    bad = 77
+    engine = Engine(model, FailsOnToken(bad), block_size=4, num_blocks=128)
+    failing = engine.add_request(prompts[0], max_new_tokens=6, logit_bias={bad: 100.0})
+    others = [engine.add_request(p, max_new_tokens=6, min_new_tokens=6) for p in prompts[1:4]]
+    finals = drive(engine)  # every step returns: the failure stays with its request
+    assert finals[failing].finish_reason == "error" and finals[failing].token_ids == [bad]
+    assert "decoding token 77 failed: IndexError: piece id is out of range" in finals[failing].error
+    assert [finals[i].token_ids for i in others] == [e[:6] for e in expected[1:4]]
+    assert [finals[i].finish_reason for i in others] == ["length"] * 3
+    assert engine.pool.stats().num_used == 0
+
+
 def test_requests_added_from_another_thread_join_the_batch(model, workload):
     prompts, news, expected = workload
     engine = Engine(model, block_size=4, num_blocks=256)

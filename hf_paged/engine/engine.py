@@ -272,7 +272,13 @@ class Engine:
         self._counters["steps"] += 1
         self._counters[f"{step.kind}_steps"] += 1
         for request, token, logprob in zip(sampled, tokens, logprobs):
-            request.append_token(token, logprob)
+            try:
+                request.append_token(token, logprob)
+            except Exception as error:  # its text failed (the tokenizer cannot decode the token): it alone ends
+                self.scheduler.finish(
+                    request, "error", f"decoding token {token} failed: {type(error).__name__}: {error}"
+                )
+                continue
             reason = self._finish_reason(request, token)
             if reason is not None:
                 self.scheduler.finish(request, reason)

@@ -46,9 +46,13 @@ class TextTracker:
             self.visible = safe
 
     def finish(self, token_ids: list[int]) -> None:
-        """The request ended: show everything (up to a stop string)."""
+        """The request ended: show everything (up to a stop string). Text that cannot be decoded (the request failed
+        on it) stays as last shown."""
         if not self.stopped:
-            self.visible = self._decode_until_stop(token_ids)
+            try:
+                self.visible = self._decode_until_stop(token_ids)
+            except Exception:
+                return
 
     def _decode_until_stop(self, token_ids: list[int]) -> str:
         """The text of `token_ids`, cut before the first stop string (which sets `stopped`)."""
