@@ -18,7 +18,8 @@ preallocated cache of `generate_batch`.
 Engine-only columns: "pad share" is the share of the positions its forwards computed that were pads
 (`EngineStats.pad_share`); "wall / ceiling" compares its wall time with the **ceiling**: the same run's bare model
 forwards (no cache, `use_cache=False`) over exactly the input shapes the Engine's forwards had, in the same order,
-timed after the Engine run, so the ratio is the Engine's own overhead (scheduling, block bookkeeping, paged reads
+with the logits of the same positions (`logits_to_keep`: a packed step's last token of each row), timed after the
+Engine run, so the ratio is the Engine's own overhead (scheduling, block bookkeeping, paged reads
 and writes, sampling) plus the attention over the cached context that any cache needs and the bare forwards do not
 do. "wall / ceiling with context" adds that attention for the decode steps (most steps): each of their forwards
 runs with a stock `DynamicCache` holding every row's context (contiguous, left-padded to the step's longest, as
@@ -54,35 +55,38 @@ def workload(num_requests: int, scale: float, max_length: int, vocab_size: int, 
 
 
 def record_forwards(model, engine) -> tuple[list, object]:
-    """`(forwards, hook)`: for every forward of `model` from now on (until `hook.remove()`), its `input_ids` shape
-    and, for a decode step of right-aligned rows (one token each), every row's context before it (`None` for
-    other forwards)."""
+    """`(forwards, hook)`: for every forward of `model` from now on (until `hook.remove()`), its `input_ids` shape,
+    its `logits_to_keep` (the positions whose logits it computed) and, for a decode step of right-aligned rows (one
+    token each), every row's context before it (`None` for other forwards)."""
     forwards = []
 
     def record(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         decode = ids.shape[1] == 1 and engine.cache.packed_rows() is None
         contexts = [row.num_tokens - 1 for row in engine.cache.rows] if decode else None
-        forwards.append((tuple(ids.shape), contexts))
+        forwards.append((tuple(ids.shape), kwargs.get("logits_to_keep"), contexts))
 
     return forwards, model.register_forward_pre_hook(record, with_kwargs=True)
 
 
 def ceiling_seconds(model, forwards: list, vocab_size: int, with_context: bool = False) -> float:
-    """The model's own cost of the Engine's forwards, in order: bare forwards (no cache) over the same input shapes;
-    `with_context`: a decode step's rows also attend to their contexts, held in a stock `DynamicCache` (contiguous,
-    left-padded to the step's longest context, as `generate` holds a batch), filled before each timed forward."""
+    """The model's own cost of the Engine's forwards, in order: bare forwards (no cache) over the same input shapes,
+    computing the logits of the same positions (`logits_to_keep`); `with_context`: a decode step's rows also attend
+    to their contexts, held in a stock `DynamicCache` (contiguous, left-padded to the step's longest context, as
+    `generate` holds a batch), filled before each timed forward."""
     generator = torch.Generator().manual_seed(1)
     config = model.config.get_text_config(decoder=True)
     kv_heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    longest = max((max(c) for _, c in forwards if c), default=0)
-    widest = max((len(c) for _, c in forwards if c), default=0)
+    longest = max((max(c) for *_, c in forwards if c), default=0)
+    widest = max((len(c) for *_, c in forwards if c), default=0)
     filler = torch.zeros(widest, kv_heads, longest, head_dim, dtype=model.dtype)
     total = 0.0
     with torch.inference_mode():
-        for shape, contexts in forwards:
+        for shape, logits_to_keep, contexts in forwards:
             inputs = {"input_ids": torch.randint(3, vocab_size, shape, generator=generator)}
+            if logits_to_keep is not None:
+                inputs["logits_to_keep"] = logits_to_keep
             if with_context and contexts:
                 past = max(contexts)
                 cache = DynamicCache(config=model.config)

@@ -124,9 +124,10 @@ class PagedCache(BatchCache):
         return self.planner.root
 
     def refresh_prefix_root(self) -> bytes:
-        """Recompute `prefix_root` from the model as it is now (its weights may have been trained since)."""
+        """Recompute `prefix_root` from the model as it is now (its weights may have been trained since the cache
+        was built or last used); when it changed, the rows held so far are never indexed again."""
         model = self._model_ref()
-        return self.planner.root if model is None else self.planner.refresh_root(model)
+        return self.planner.root if model is None else self.planner.refresh_root(model, self._rows)
 
     @property
     def is_released(self) -> bool:

@@ -214,8 +214,11 @@ def _generate_on_user_cache(model, cache: PagedCache, inputs, generation_config,
     if not getattr(generation_config, "is_assistant", False):
         _check_prompt(model, input_ids)
     was_empty = not cache.is_released and cache.batch_size == 0
-    if cache.prefix_caching and not cache.is_released and _prompt_beyond_token_ids(model, inputs, kwargs):
-        cache.stop_prefix_caching()
+    if cache.prefix_caching and not cache.is_released:
+        if _prompt_beyond_token_ids(model, inputs, kwargs):
+            cache.stop_prefix_caching()
+        else:  # the weights may have been trained since the cache was built
+            cache.refresh_prefix_root()
     lookup = not _outputs_every_position(model, generation_config, kwargs)
     cache.start_from_prompt(input_ids, kwargs.get("attention_mask"), lookup)
     try:

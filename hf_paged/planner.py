@@ -75,9 +75,15 @@ class ForwardPlanner:
         """No prefix lookups and no indexing from now on."""
         self.roots = None
 
-    def refresh_root(self, model: torch.nn.Module) -> bytes:
-        """Recompute `root` from `model` as it is now (its weights may have been trained since)."""
-        self.root = root_hash(prefix_namespace(model))
+    def refresh_root(self, model: torch.nn.Module, rows: list[Row] = ()) -> bytes:
+        """Recompute `root` from `model` as it is now (its weights may have been trained since). When it changed,
+        `rows` (those holding K/V) are never indexed again: their K/V so far comes from the previous weights, so no
+        block they fill from now on may stand for the new weights' K/V of its tokens."""
+        root = root_hash(prefix_namespace(model))
+        if root != self.root:
+            for row in rows:
+                row.record(None)
+        self.root = root
         if self.roots is not None:
             self.roots = group_roots(self.root, self.layout.num_groups)
         return self.root

@@ -259,6 +259,18 @@ def test_a_request_blocked_by_blocks_held_outside_the_engine_fails_instead_of_wa
     assert again.finish_reason == "length" and engine.pool.stats().num_used == 0
 
 
+def test_the_held_elsewhere_error_counts_blocks_as_they_were_when_admission_failed(model):
+    engine = Engine(model, block_size=4, num_blocks=16)
+    prefix = list(range(50, 62))
+    engine.generate([[*prefix, 1]], max_new_tokens=1)  # 3 full blocks cached, free to evict
+    outside = hf_paged.PagedCache(model, block_size=4, num_blocks=16)
+    model.generate(torch.tensor([list(range(3, 43))]), past_key_values=outside, max_new_tokens=8)  # 12 blocks held
+    (blocked,) = engine.generate([[*prefix, 70, 71, 72, 73, 74]], max_new_tokens=2)  # 3 cached + 2 new blocks
+    outside.release()
+    assert blocked.finish_reason == "error"
+    assert "needs 2 free blocks besides the 3 of its cached prefix but only 1 of the pool's 16" in blocked.error
+
+
 def test_a_sequence_outgrowing_the_whole_pool_ends_with_reason_length_and_its_tokens(model):
     engine = Engine(model, block_size=4, num_blocks=4)
     [output] = engine.generate([[5, 6, 7]], max_new_tokens=40, min_new_tokens=40)
@@ -653,3 +665,22 @@ def test_prompt_forms(model, workload):
         with pytest.raises(ValueError, match="prompts must be a string, token ids, a tensor"):
             engine.generate(bad)
     assert not engine.has_unfinished_requests() and engine.pool.stats().num_used == 0
+
+
+def test_weights_edited_while_a_request_runs_leave_no_stale_block_in_the_prefix_cache():
+    """A block half-filled before a weight update and filled after it holds K/V of both weights: a later request
+    with the same tokens must not reuse it (its output must equal stock generate under the new weights)."""
+    model = tiny_model("llama")
+    engine = Engine(model, block_size=4, num_blocks=64)
+    first = engine.add_request([11, 12], max_new_tokens=8, min_new_tokens=8)
+    engine.step()  # the prompt's 2 tokens are stored with the old weights; block 0 is not full yet
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.weight.mul_(3.0)
+            layer.self_attn.v_proj.weight.mul_(-2.0)
+    finals = drive(engine)  # block 0 fills with K/V of the new weights
+    prompt = [11, 12, *finals[first].token_ids[:6], 40, 41]
+    outputs = engine.generate([prompt], max_new_tokens=8, min_new_tokens=8)
+    assert outputs[0].prefix_tokens_reused == 0
+    assert outputs[0].token_ids == alone(model, prompt, 8, min_new_tokens=8, do_sample=False)
+    engine.close()

@@ -487,3 +487,19 @@ def test_blocks_cached_before_a_weight_update_are_not_reused_after_it():
     assert out.past_key_values.stats().prefix_tokens_reused == 0
     out.past_key_values.release()
     assert torch.equal(out.sequences, model.generate(prompt, **options))
+
+
+def test_a_cache_built_before_a_weight_update_does_not_reuse_blocks_from_before_it():
+    """A caller's `PagedCache` built before training looks prefixes up under the weights as they are at `generate`."""
+    model = tiny_model("llama")
+    prompt = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(5))
+    options = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    model.generate(prompt, cache_implementation="paged", cache_config={"block_size": 4}, **options)
+    cache = PagedCache(model, block_size=4)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.v_proj.weight.mul_(-2.0)
+    out = model.generate(prompt, past_key_values=cache, **options)
+    assert cache.stats().prefix_tokens_reused == 0
+    cache.release()
+    assert torch.equal(out, model.generate(prompt, **options))

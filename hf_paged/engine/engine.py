@@ -231,7 +231,7 @@ class Engine:
         with self._lock:
             changed = [r for r in self._requests.values() if r.finished]  # max_new_tokens=0, or failed earlier
             if self.planner.prefix_caching:  # the weights may have been trained since the last step
-                self.planner.refresh_root(self.model)
+                self.planner.refresh_root(self.model, [request.row for request in self.scheduler.running])
             # an eager model runs the "hf_paged" attention in eager math: packed steps, stock eager's outputs
             self._implementation = paged_attention_for(self.model, self.cache_config, keep_eager=False)
             self.scheduler.packed = self._implementation == ATTENTION_NAME

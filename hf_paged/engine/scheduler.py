@@ -269,7 +269,7 @@ class Scheduler:
                 self.pool.free_rows([row])
                 if not admitted and not self.running:  # no request of this engine will free a block for it
                     self.waiting.popleft()
-                    request.finish("error", self._held_elsewhere(exhausted.num_needed))
+                    request.finish("error", self._held_elsewhere(exhausted, reused // self.pool.block_size))
                     failed.append(request)
                     continue
                 break
@@ -284,12 +284,13 @@ class Scheduler:
         self.running.extend(admitted)
         return admitted, chunks
 
-    def _held_elsewhere(self, needed: int) -> str:
-        pool = self.pool
+    def _held_elsewhere(self, exhausted: PoolExhaustedError, cached_blocks: int) -> str:
+        """Both numbers as they were when admission failed: the blocks its cached prefix took were not free then."""
+        besides = f" besides the {cached_blocks} of its cached prefix" if cached_blocks else ""
         return (
-            f"the request needs {needed} free blocks but only {pool.num_free} of the pool's {pool.num_blocks} are "
-            "free and this engine holds none: the others are held by caches outside it (release them, e.g. "
-            "PagedCache.release(), or give the pool more blocks)"
+            f"the request needs {exhausted.num_needed} free blocks{besides} but only {exhausted.num_free} of the "
+            f"pool's {self.pool.num_blocks} are free and this engine holds none: the others are held by caches outside "
+            "it (release them, e.g. PagedCache.release(), or give the pool more blocks)"
         )
 
     def _new_row(self, tokens: list[int]) -> Row:
