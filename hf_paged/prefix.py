@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
+import sys
 import weakref
 from array import array
 
@@ -14,12 +16,16 @@ DIGEST_SIZE = 16
 SAMPLES_PER_PARAMETER = 16
 
 
-class _WeightSample:
-    """Strided views of `SAMPLES_PER_PARAMETER` elements of every parameter of one model, built once: views share
-    their parameter's storage, so they see every in-place change, `.data` writes included. Rebuilt when a parameter
-    is replaced or moved (its storage address changes)."""
+class _ModelSample:
+    """What is read of one model's state at every prefix lookup, found once per set of parameters (rebuilt when a
+    parameter is added, removed, replaced or moved: the storage addresses change):
 
-    def __init__(self, parameters: list[torch.Tensor], addresses: list[int]):
+    - strided views of `SAMPLES_PER_PARAMETER` elements of every parameter: views share their parameter's storage, so
+      they see every in-place change, `.data` writes included;
+    - the model's PEFT adapter layers (adding or deleting an adapter adds or removes parameters).
+    """
+
+    def __init__(self, model: torch.nn.Module, parameters: list[torch.Tensor], addresses: list[int]):
         self.addresses = addresses
         self.views = []
         for parameter in parameters:
@@ -27,15 +33,42 @@ class _WeightSample:
                 continue  # offloaded to disk by accelerate (its version still counts), or empty
             flat = parameter.detach().reshape(-1)
             self.views.append(flat[:: max(1, flat.numel() // SAMPLES_PER_PARAMETER)])
+        tuners = sys.modules.get("peft.tuners.tuners_utils")  # not imported: no adapter layer can exist
+        self.adapter_layers = (
+            [] if tuners is None else [m for m in model.modules() if isinstance(m, tuners.BaseTunerLayer)]
+        )
 
-    def digest(self) -> bytes:
+    def weights_key(self, parameters: list[torch.Tensor]) -> str:
+        version = sum(parameter._version for parameter in parameters)
         if not self.views:
-            return b""
+            return f"{version}:"
         values = torch.cat(self.views).to("cpu", torch.float32)
-        return hashlib.blake2b(values.numpy().tobytes(), digest_size=DIGEST_SIZE, person=b"hf_paged-weights").digest()
+        digest = hashlib.blake2b(values.numpy().tobytes(), digest_size=DIGEST_SIZE, person=b"hf_paged-weights")
+        return f"{version}:{digest.hexdigest()}"
+
+    def adapter_key(self) -> str:
+        """The adapter layers' state that changes their output without changing a weight (see
+        `adapter_state_key`); a hash valid within this process."""
+        if not self.adapter_layers:
+            return ""
+        states = tuple(
+            (
+                tuple(layer.active_adapters),
+                layer.disable_adapters,
+                tuple(layer.merged_adapters),
+                _scaling(layer),
+            )
+            for layer in self.adapter_layers
+        )
+        return f"adapters:{hash(states)}"
 
 
-_weight_samples: weakref.WeakKeyDictionary[torch.nn.Module, _WeightSample] = weakref.WeakKeyDictionary()
+def _scaling(layer) -> tuple | str:
+    scaling = getattr(layer, "scaling", None)  # LoRA's: {adapter: factor}
+    return tuple(scaling.items()) if isinstance(scaling, dict) else repr(scaling)
+
+
+_model_samples: weakref.WeakKeyDictionary[torch.nn.Module, _ModelSample] = weakref.WeakKeyDictionary()
 
 
 def _local_shard(parameter: torch.Tensor) -> torch.Tensor:
@@ -48,6 +81,15 @@ def _local_shard(parameter: torch.Tensor) -> torch.Tensor:
         return to_local()
 
 
+def _sample_of(model: torch.nn.Module) -> tuple[_ModelSample, list[torch.Tensor]]:
+    parameters = [_local_shard(parameter) for parameter in model.parameters()]
+    addresses = [parameter.data_ptr() for parameter in parameters]
+    sample = _model_samples.get(model)
+    if sample is None or sample.addresses != addresses:
+        sample = _model_samples[model] = _ModelSample(model, parameters, addresses)
+    return sample, parameters
+
+
 def weights_key(model: torch.nn.Module) -> str:
     """What tells this model's weights apart from their earlier values, at a cost of under a millisecond for a
     135M-parameter model on a CPU: the sum of the parameters' tensor versions (every in-place update through autograd's
@@ -58,18 +100,25 @@ def weights_key(model: torch.nn.Module) -> str:
     sharded by tensor parallelism is read through each rank's own shard (no communication), so ranks' keys differ
     while their hits and misses agree as long as every rank's weights change together.
     """
-    parameters = [_local_shard(parameter) for parameter in model.parameters()]
-    addresses = [parameter.data_ptr() for parameter in parameters]
-    sample = _weight_samples.get(model)
-    if sample is None or sample.addresses != addresses:
-        sample = _weight_samples[model] = _WeightSample(parameters, addresses)
-    version = sum(parameter._version for parameter in parameters)
-    return f"{version}:{sample.digest().hex()}"
+    sample, parameters = _sample_of(model)
+    return sample.weights_key(parameters)
+
+
+def adapter_state_key(model: torch.nn.Module) -> str:
+    """The state of the model's PEFT adapter layers that changes their output without changing a weight: the
+    adapters each layer runs (`set_adapter`), whether adapters are disabled (`disable_adapter()`), which are merged,
+    and their scaling (`set_scale`). Empty without adapter layers."""
+    return _sample_of(model)[0].adapter_key()
+
+
+_training_reads = itertools.count()
 
 
 def prefix_namespace(model: torch.nn.Module) -> bytes:
-    """What besides the tokens decides a block's K/V: the model, its dtype, its active adapters and its weights as
-    they are now (`weights_key`: blocks computed before training, a merge or an edit are never reused after it).
+    """What besides the tokens decides a block's K/V: the model, its dtype, its adapters (names, and the layers'
+    `adapter_state_key`), its weights as they are now (`weights_key`: blocks computed before training, a merge or
+    an edit are never reused after it) and its mode: a model in training mode (dropout) gets a namespace of its own
+    at every read, so K/V computed in training mode are never reused.
 
     Example:
 
@@ -87,6 +136,9 @@ def prefix_namespace(model: torch.nn.Module) -> bytes:
     >>> model.model.layers[0].self_attn.q_proj.weight.data += 1.0  # bypasses the version counter
     >>> prefix_namespace(model) == edited
     False
+    >>> _ = model.train()  # dropout: no two reads alike
+    >>> prefix_namespace(model) == prefix_namespace(model)
+    False
 
     ```
     """
@@ -97,7 +149,10 @@ def prefix_namespace(model: torch.nn.Module) -> bytes:
         adapters += ["active:" + name for name in model.active_adapters()]
     dtype = next(model.parameters()).dtype
     parts = [type(model).__name__, str(getattr(config, "_name_or_path", "")), str(dtype), ",".join(adapters)]
-    parts.append(weights_key(model))
+    sample, parameters = _sample_of(model)
+    parts += [sample.adapter_key(), sample.weights_key(parameters)]
+    if model.training:
+        parts.append(f"training:{next(_training_reads)}")
     return "\x1f".join(parts).encode()
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
+import hf_paged
 import hf_paged.prefix
 import hf_paged.rows
 from hf_paged import BlockAllocator, InvariantError, PagedCache, PoolExhaustedError, get_pool
@@ -503,3 +506,72 @@ def test_a_cache_built_before_a_weight_update_does_not_reuse_blocks_from_before_
     assert cache.stats().prefix_tokens_reused == 0
     cache.release()
     assert torch.equal(out, model.generate(prompt, **options))
+
+
+def two_adapter_model():
+    from peft import LoraConfig, get_peft_model
+
+    def lora():
+        return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"], init_lora_weights=False)
+
+    torch.manual_seed(0)
+    peft_model = get_peft_model(tiny_model("llama"), lora(), adapter_name="a")
+    peft_model.add_adapter("b", lora())
+    return peft_model.eval()
+
+
+def set_scale(peft_model, adapter: str, scale: float) -> None:
+    for module in peft_model.modules():
+        if hasattr(module, "set_scale"):
+            module.set_scale(adapter, scale)
+
+
+ADAPTER_CHANGES = {
+    "set_adapter": lambda m: m.set_adapter("b"),
+    "set_scale": lambda m: set_scale(m, "a", 3.0),
+    "disable_adapter_layers": lambda m: m.base_model.disable_adapter_layers(),
+}
+
+
+@pytest.mark.parametrize("change", ADAPTER_CHANGES.values(), ids=ADAPTER_CHANGES.keys())
+def test_a_lora_adapter_switched_rescaled_or_disabled_retires_the_blocks_cached_before(change):
+    """Adapter state changes no weight: without `adapter_state_key` the second call took the first's blocks."""
+    peft_model = two_adapter_model()
+    prompt = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(5))
+    options = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, "cache_implementation": "paged"}
+    peft_model.generate(prompt, cache_config={"block_size": 8}, **options)
+    change(peft_model)
+    out = peft_model.generate(prompt, cache_config={"block_size": 8}, return_dict_in_generate=True, **options)
+    assert out.past_key_values.stats().prefix_tokens_reused == 0
+    out.past_key_values.release()
+    del options["cache_implementation"]
+    assert torch.equal(out.sequences, peft_model.generate(prompt, **options))
+
+
+def test_an_engine_on_a_peft_model_follows_its_active_adapter():
+    peft_model = two_adapter_model()
+    prompts = [list(range(3, 43)), list(range(50, 85))]
+    engine = hf_paged.Engine(peft_model, block_size=8)
+    stock_options = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    for change in (lambda: None, lambda: peft_model.set_adapter("b"), peft_model.disable_adapter):
+        with change() or contextlib.nullcontext():
+            outputs = engine.generate(prompts, max_new_tokens=6, min_new_tokens=6)
+            expected = [peft_model.generate(torch.tensor([p]), **stock_options)[0, len(p) :].tolist() for p in prompts]
+        assert [o.token_ids for o in outputs] == expected
+    engine.close()
+
+
+def test_blocks_computed_in_training_mode_are_never_reused():
+    """Dropout makes K/V computed in training mode differ from eval mode's (and from one call to the next)."""
+    model = tiny_model("llama", attention_dropout=0.5)
+    prompt = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(5))
+    options = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    model.train()
+    model.generate(prompt, cache_implementation="paged", cache_config={"block_size": 8}, **options)
+    model.eval()
+    out = model.generate(
+        prompt, cache_implementation="paged", cache_config={"block_size": 8}, return_dict_in_generate=True, **options
+    )
+    assert out.past_key_values.stats().prefix_tokens_reused == 0
+    out.past_key_values.release()
+    assert torch.equal(out.sequences, model.generate(prompt, **options))
