@@ -15,6 +15,7 @@ import torch
 
 from .batch import ForwardInputs
 from .config import ATTENTION_NAME, PagedCacheConfig
+from .support import cache_dropped_by_checkpointing
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,9 @@ def _before_forward(module: torch.nn.Module, args: tuple, kwargs: dict):
     if not isinstance(cache, ForwardBoundCache):
         bind_paged_cache(module, None)
         return None
+    dropped = cache_dropped_by_checkpointing(module)
+    if dropped is not None:
+        raise ValueError(dropped)
     reads_tables = module.config._attn_implementation == ATTENTION_NAME
     input_ids = kwargs.get("input_ids")
     if input_ids is None and args and isinstance(args[0], torch.Tensor):

@@ -37,7 +37,7 @@ from .forward import (
     inputs_beyond_token_ids,
     paged_attention_for,
 )
-from .support import check_supported
+from .support import cache_dropped_by_checkpointing, check_supported
 
 logger = logging.getLogger(__name__)
 
@@ -211,6 +211,9 @@ def _generate_on_user_cache(model, cache: PagedCache, inputs, generation_config,
     """Stock `generate` continuing from the caller's `PagedCache`. A call that fails on a cache that held nothing
     leaves it empty again (its blocks back in the pool)."""
     attach_to_model(model)
+    dropped = cache_dropped_by_checkpointing(model)
+    if dropped is not None:
+        raise ValueError(dropped)
     if not getattr(generation_config, "is_assistant", False):
         _check_prompt(model, input_ids)
     was_empty = not cache.is_released and cache.batch_size == 0
@@ -250,8 +253,9 @@ def _generate(model, inputs, generation_config, kwargs: dict):
         return _generate_on_user_cache(model, user_cache, inputs, generation_config, input_ids, kwargs)
     if source is None:
         return _original_generate(model, inputs, generation_config, **kwargs)
-    if not _uses_cache(model, generation_config, kwargs):
-        # `use_cache=False`: stock builds no cache and recomputes the whole sequence every step; so does this call
+    if not _uses_cache(model, generation_config, kwargs) or cache_dropped_by_checkpointing(model):
+        # `use_cache=False`: stock builds no cache and recomputes the whole sequence every step; so does this call.
+        # Under gradient checkpointing in training mode the layers drop whatever cache stock builds: run as stock
         kwargs.pop("cache_implementation", None)
         kwargs.pop("cache_config", None)
         return _original_generate(model, inputs, generation_config, **kwargs)

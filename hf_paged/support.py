@@ -74,3 +74,28 @@ def check_supported(model: torch.nn.Module) -> None:
         raise NotImplementedError(
             f"{name} shares K/V between layers (kv_sharing_modes); PagedCache stores each layer's own K/V"
         )
+
+
+def cache_dropped_by_checkpointing(model: torch.nn.Module) -> str | None:
+    """Why `model`'s forward would drop any KV cache, or `None`: in training mode with activation (gradient)
+    checkpointing on, transformers' decoder layers run with `use_cache=False` and `past_key_values=None` (stock
+    `generate` then runs without a cache).
+
+    Example:
+
+    ```python
+    >>> from hf_paged.reference_models import tiny_model
+    >>> model = tiny_model("llama")
+    >>> model.activation_checkpointing_enable()
+    >>> cache_dropped_by_checkpointing(model) is None, cache_dropped_by_checkpointing(model.train())[:41]
+    (True, 'LlamaForCausalLM is in training mode with')
+
+    ```
+    """
+    if not (model.training and getattr(model, "is_activation_checkpointing", False)):
+        return None
+    return (
+        f"{type(model).__name__} is in training mode with activation (gradient) checkpointing on, under which "
+        "transformers' decoder layers drop the KV cache (use_cache=False, past_key_values=None): a paged cache would "
+        "never be filled. Call model.eval() (or model.activation_checkpointing_disable()) before generating with it"
+    )

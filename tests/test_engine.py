@@ -684,3 +684,21 @@ def test_weights_edited_while_a_request_runs_leave_no_stale_block_in_the_prefix_
     assert outputs[0].prefix_tokens_reused == 0
     assert outputs[0].token_ids == alone(model, prompt, 8, min_new_tokens=8, do_sample=False)
     engine.close()
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_step_under_checkpointing_in_training_mode_is_refused_and_the_requests_wait(model, workload):
+    prompts, news, expected = workload
+    engine = Engine(model, block_size=4, num_blocks=128)
+    ids = [engine.add_request(p, max_new_tokens=5, min_new_tokens=5) for p in prompts[:2]]
+    model.activation_checkpointing_enable()
+    model.train()
+    try:
+        with pytest.raises(ValueError, match="drop the KV cache"):
+            engine.step()
+        assert engine.pool.stats().num_used == 0 and engine.has_unfinished_requests()
+    finally:
+        model.eval()
+        model.activation_checkpointing_disable()
+    finals = drive(engine)
+    assert [finals[i].token_ids for i in ids] == [e[:5] for e in expected[:2]]

@@ -93,6 +93,33 @@ def test_use_cache_false_runs_exactly_like_stock_and_takes_no_block(family, mode
     assert pool.stats() == before  # no block taken, none cached
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_checkpointing_in_training_mode_runs_like_stock_or_is_refused_clearly():
+    """Under activation checkpointing in training mode transformers' layers drop the cache (stock then generates
+    without one): a fresh paged call runs as stock does; a caller's cache and a plain forward are refused before
+    anything is taken (it was `RuntimeError: read_layer called before any update` from inside the attention)."""
+    model = tiny_model("llama")
+    input_ids, attention_mask = left_padded_batch([5, 9], seed=3)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=6)
+    pool = get_pool(model, **CACHE)
+    model.activation_checkpointing_enable()
+    model.train()
+    before = pool.stats()
+    reference = seeded(model, **kwargs, do_sample=False)
+    paged = seeded(model, **kwargs, do_sample=False, cache_implementation="paged", cache_config=CACHE)
+    assert_same_scores(reference, paged)
+    assert pool.stats() == before
+    cache = PagedCache(model, **CACHE)
+    with pytest.raises(ValueError, match="training mode with activation .* drop the KV cache"):
+        model.generate(**kwargs, past_key_values=cache)
+    with pytest.raises(ValueError, match=r"Call model.eval\(\)"):
+        model(input_ids, past_key_values=cache)
+    assert cache.batch_size == 0 and pool.stats() == before
+    model.eval()
+    assert torch.equal(model.generate(**kwargs, past_key_values=cache), model.generate(**kwargs))
+    cache.release()
+
+
 def test_use_cache_false_from_generation_configs_is_honoured(llama):
     """`use_cache=False` in the generation config passed, and `cache_implementation="paged"` in the model's own."""
     input_ids, attention_mask = left_padded_batch([6, 4], seed=4)

@@ -17,6 +17,7 @@ from ..batch_cache import BatchCache
 from ..config import ATTENTION_NAME, PagedCacheConfig
 from ..forward import EAGER, attention_implementation, own_attention, paged_attention_for
 from ..planner import ForwardPlanner
+from ..support import cache_dropped_by_checkpointing
 from .params import SamplingParams
 from .request import Request, RequestOutput, RequestStatus
 from .sampler import next_tokens, token_logprobs
@@ -228,6 +229,9 @@ class Engine:
         """Run one forward (prefill or decode) and return the output of every request that changed; finished
         requests are reported once and forgotten. Requests a `generate` or `stream` call finished while it stepped
         for its own are reported by the next `step()`."""
+        dropped = cache_dropped_by_checkpointing(self.model)
+        if dropped is not None:  # refused before anything changes: the requests wait for the model to be fixed
+            raise ValueError(dropped)
         with self._lock:
             changed = [r for r in self._requests.values() if r.finished]  # max_new_tokens=0, or failed earlier
             if self.planner.prefix_caching:  # the weights may have been trained since the last step
