@@ -37,7 +37,7 @@ from .forward import (
     inputs_beyond_token_ids,
     paged_attention_for,
 )
-from .support import cache_dropped_by_checkpointing, check_supported
+from .support import cache_dropped_by_checkpointing, check_supported, prompt_learning_method
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,9 @@ class _PagedRequest:
         self.input_ids = input_ids
         self.attention_mask = attention_mask
         self.cache: PagedCache | None = None
+
+
+CACHE_INJECTING_METHODS = ("PREFIX_TUNING", "CARTRIDGE")
 
 
 def _requests() -> list[_PagedRequest]:
@@ -244,10 +247,23 @@ def _paged_generate(self, inputs=None, generation_config=None, **kwargs):
         return _generate(self, inputs, generation_config, kwargs)
 
 
+def _check_no_cache_injection(model) -> None:
+    """PEFT prefix tuning (and Cartridge) hands `generate` learned K/V as its cache: refuse, a paged cache cannot
+    hold K/V it did not compute."""
+    method = prompt_learning_method(model)
+    if method in CACHE_INJECTING_METHODS:
+        raise NotImplementedError(
+            f"PEFT {method} puts its learned K/V in the cache it builds itself (past_key_values); a paged cache "
+            "cannot hold them: generate without cache_implementation='paged'"
+        )
+
+
 def _generate(model, inputs, generation_config, kwargs: dict):
     user_cache = kwargs.get("past_key_values")
     input_ids = inputs if isinstance(inputs, torch.Tensor) else kwargs.get("input_ids")
     source = _paged_request_source(model, generation_config, kwargs)
+    if source is not None or isinstance(user_cache, PagedCache):
+        _check_no_cache_injection(model)
     if isinstance(user_cache, PagedCache) and source != "argument":
         # continue on the caller's cache (or, in assisted decoding, on the one the assistant's last call returned)
         return _generate_on_user_cache(model, user_cache, inputs, generation_config, input_ids, kwargs)

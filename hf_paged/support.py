@@ -99,3 +99,16 @@ def cache_dropped_by_checkpointing(model: torch.nn.Module) -> str | None:
         "transformers' decoder layers drop the KV cache (use_cache=False, past_key_values=None): a paged cache would "
         "never be filled. Call model.eval() (or model.activation_checkpointing_disable()) before generating with it"
     )
+
+
+def prompt_learning_method(model: torch.nn.Module) -> str | None:
+    """The PEFT prompt-learning method `model` runs with (`"PROMPT_TUNING"`, `"PREFIX_TUNING"`, ...), or `None`.
+    `model` is a `PeftModel`, or the base model that a `PeftModel`'s `generate` runs (its
+    `prepare_inputs_for_generation` is then the `PeftModel`'s, which adds the virtual tokens or K/V)."""
+    prepare = getattr(model, "prepare_inputs_for_generation", None)
+    for owner in (model, getattr(prepare, "__self__", None)):
+        config = getattr(owner, "active_peft_config", None)
+        if config is not None and getattr(config, "is_prompt_learning", False):
+            peft_type = config.peft_type
+            return str(getattr(peft_type, "value", peft_type))
+    return None

@@ -702,3 +702,15 @@ def test_a_step_under_checkpointing_in_training_mode_is_refused_and_the_requests
         model.activation_checkpointing_disable()
     finals = drive(engine)
     assert [finals[i].token_ids for i in ids] == [e[:5] for e in expected[:2]]
+
+
+def test_an_engine_follows_a_resized_vocabulary():
+    model = tiny_model("llama")
+    engine = Engine(model, block_size=4, num_blocks=64)
+    engine.generate([[5, 6, 7]], max_new_tokens=2)
+    model.resize_token_embeddings(160)
+    prompt = [5, 140, 150, 7]
+    (output,) = engine.generate([prompt], max_new_tokens=4, min_new_tokens=4, logit_bias={155: 0.5})
+    assert output.token_ids == alone(model, prompt, 4, min_new_tokens=4, do_sample=False, sequence_bias={(155,): 0.5})
+    with pytest.raises(ValueError, match=r"token ids must be ints in \[0, 160\), got \[160\]"):
+        engine.add_request([5, 160])

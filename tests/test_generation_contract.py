@@ -389,3 +389,31 @@ def test_a_peft_model_generates_on_its_base_models_pool():
     assert pool.stats().num_used == 0
     hf_paged.release_pool(peft_model)
     assert get_pool(model) is not pool
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_peft_prompt_tuning_runs_like_stock_and_prefix_tuning_is_refused():
+    """Prompt tuning prepends learned embeddings (`inputs_embeds`: prefix caching is off for it); prefix tuning
+    builds its own cache of learned K/V, which a paged cache cannot hold (it was an `AttributeError` from inside
+    PEFT)."""
+    from peft import PrefixTuningConfig, PromptTuningConfig, TaskType
+
+    prompt = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(2))
+    options = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    prompt_tuned = get_peft_model(
+        tiny_model("llama"), PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=5)
+    ).eval()
+    reference = prompt_tuned.generate(input_ids=prompt, **options)
+    for _ in range(2):
+        assert torch.equal(prompt_tuned.generate(input_ids=prompt, **options, cache_implementation="paged"), reference)
+    prefix_tuned = get_peft_model(
+        tiny_model("llama"), PrefixTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=5)
+    ).eval()
+    pool = get_pool(prefix_tuned, **CACHE)
+    with pytest.raises(NotImplementedError, match="PEFT PREFIX_TUNING puts its learned K/V in the cache"):
+        prefix_tuned.generate(input_ids=prompt, **options, cache_implementation="paged", cache_config=CACHE)
+    assert pool.stats().num_used == 0
+    with pytest.raises(NotImplementedError, match="Engine cannot serve a PEFT PREFIX_TUNING model"):
+        hf_paged.Engine(prefix_tuned)
+    with pytest.raises(NotImplementedError, match="Engine cannot serve a PEFT PROMPT_TUNING model"):
+        hf_paged.Engine(prompt_tuned)

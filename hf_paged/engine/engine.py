@@ -17,7 +17,7 @@ from ..batch_cache import BatchCache
 from ..config import ATTENTION_NAME, PagedCacheConfig
 from ..forward import EAGER, attention_implementation, own_attention, paged_attention_for
 from ..planner import ForwardPlanner
-from ..support import cache_dropped_by_checkpointing
+from ..support import cache_dropped_by_checkpointing, prompt_learning_method
 from .params import SamplingParams
 from .request import Request, RequestOutput, RequestStatus
 from .sampler import next_tokens, token_logprobs
@@ -96,6 +96,12 @@ class Engine:
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_batch_size "
                 f"({max_batch_size}): a step holds one token of every running request"
             )
+        method = prompt_learning_method(model)
+        if method is not None:
+            raise NotImplementedError(
+                f"the Engine cannot serve a PEFT {method} model: it adds learned virtual tokens (or K/V) to every "
+                "forward, which the Engine's steps do not hold (adapters that change weights, such as LoRA, are served)"
+            )
         self.model = model
         self.tokenizer = tokenizer
         self.progress = progress
@@ -104,7 +110,6 @@ class Engine:
         self.pool = self.planner.pool
         self.cache = BatchCache(model, self.planner)
         text_config = model.config.get_text_config(decoder=True)
-        self.vocab_size = text_config.vocab_size
         self.max_context = getattr(text_config, "max_position_embeddings", None)
         self.pad_token_id = _pad_token_id(model, tokenizer)
         self.device = model.get_input_embeddings().weight.device
@@ -118,6 +123,11 @@ class Engine:
         self._held_outputs: list[RequestOutput] = []  # other callers' final outputs a generate/stream call stepped
         self.last_stats: EngineStats | None = None
         self.reset_stats()
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size as it is now (`resize_token_embeddings` changes it)."""
+        return self.model.config.get_text_config(decoder=True).vocab_size
 
     # ------------------------------------------------------------------ requests
     def add_request(
