@@ -6,7 +6,7 @@ import logging
 import os
 import threading
 import weakref
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -92,11 +92,15 @@ class KVShape:
         config = model.config.get_text_config(decoder=True)
         placement = tensor_parallel_placement(model)
         shapes = local_kv_shapes(layer_kv_shapes(config), placement)
-        dtype = next(model.parameters()).dtype
-        if not dtype.is_floating_point:
-            dtype = torch.get_default_dtype()
+        dtype = model_kv_dtype(model)
         layer_kv = tuple(shapes) if len(set(shapes)) > 1 else None
         return cls(len(shapes), *shapes[0], dtype, layers_per_block, layer_kv, placement.rank, placement.world_size)
+
+
+def model_kv_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of `model`'s K/V as a pool accounts for it: its weights' (the default dtype for integer weights)."""
+    dtype = next(model.parameters()).dtype
+    return dtype if dtype.is_floating_point else torch.get_default_dtype()
 
 
 @dataclass(frozen=True)
@@ -182,6 +186,24 @@ class BlockPool:
         return PoolStats(
             **counts, tp_rank=self.tp_rank, tp_world_size=self.tp_world_size, kv_heads_local=self.kv_heads_local
         )
+
+    def follow_model_dtype(self, model: torch.nn.Module) -> bool:
+        """After `model.to(dtype)`: when no block is in use, drop the stored K/V tensors and the prefix cache (their
+        lanes are allocated again, in the new dtype, on the next write) and return `True`. With blocks in use
+        nothing changes: the next write into them raises a `ValueError` naming both dtypes."""
+        if self.kv_shape is None:
+            return False
+        dtype = model_kv_dtype(model)
+        if dtype == self.kv_shape.dtype:
+            return False
+        with self.lock:
+            if self.allocator.num_used:
+                return False
+            self.allocator.clear_prefix_cache()
+            self.storage.clear()
+            self.kv_shape = replace(self.kv_shape, dtype=dtype)
+        logger.info("hf_paged: the model's dtype is now %s: the idle pool's K/V tensors were dropped", dtype)
+        return True
 
     # ------------------------------------------------------------------ verbs over rows (each one atomic)
     def new_rows(self, count: int, num_groups: int, track_tokens: bool = True) -> list[Row]:
@@ -359,6 +381,8 @@ def get_pool(model: torch.nn.Module, **cache_config) -> BlockPool:
     model = generating_model(model)
     with _pools_lock:
         pool = _pools.get(model)
+        if pool is not None:
+            pool.follow_model_dtype(model)
         if pool is not None and config == PagedCacheConfig():
             return pool
         layout = KVLayout.for_model(model)

@@ -47,6 +47,12 @@ class KVStorage:
         self.values: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
 
+    def clear(self) -> None:
+        """Drop every lane's tensors (each is allocated again on its next write)."""
+        with self._lock:
+            self.keys.clear()
+            self.values.clear()
+
     def lane_of(self, layer_idx: int) -> int:
         return layer_idx if self.layer_lanes is None else self.layer_lanes[layer_idx]
 

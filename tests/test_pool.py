@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import hf_paged
 from hf_paged import PagedCache, PagedCacheConfig, get_pool, release_pool
 from hf_paged.config import DEFAULT_CPU_KV_BYTES, DEFAULT_MAX_BLOCKS, parse_memory
 from hf_paged.pool import KVShape
@@ -93,3 +94,26 @@ def test_parse_memory_refuses_nonsense(value, error, message):
 def test_config_errors_name_the_value(options, message):
     with pytest.raises((ValueError, TypeError), match=message):
         PagedCacheConfig.from_dict(options)
+
+
+def test_an_idle_pool_follows_the_models_dtype_and_a_busy_one_refuses_clearly():
+    """`model.to(torch.bfloat16)` after paged calls: an idle pool drops its float32 tensors (and its prefix cache) so
+    generate and an Engine built before keep working; with blocks in use the write names both dtypes."""
+    model = tiny_model("llama")
+    prompt = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(3))
+    options = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    engine = hf_paged.Engine(model, block_size=4, num_blocks=64)
+    for dtype in (torch.float32, torch.bfloat16, torch.float32):
+        model.to(dtype)
+        expected = model.generate(prompt, **options)
+        assert torch.equal(model.generate(prompt, **options, cache_implementation="paged"), expected)
+        (output,) = engine.generate([prompt[0].tolist()], max_new_tokens=6, min_new_tokens=6)
+        assert output.token_ids == expected[0, 20:].tolist()
+        assert engine.pool.kv_shape.dtype == dtype and engine.pool.storage.keys[0].dtype == dtype
+    held = PagedCache(model)
+    model.generate(prompt, past_key_values=held, **options)
+    model.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="holds .* of torch.float32 .* produced .* of torch.bfloat16"):
+        model.generate(prompt, **options, cache_implementation="paged")
+    held.release()
+    engine.close()

@@ -243,6 +243,7 @@ class Engine:
         if dropped is not None:  # refused before anything changes: the requests wait for the model to be fixed
             raise ValueError(dropped)
         with self._lock:
+            self.pool.follow_model_dtype(self.model)  # `model.to(dtype)` while nothing runs
             changed = [r for r in self._requests.values() if r.finished]  # max_new_tokens=0, or failed earlier
             if self.planner.prefix_caching:  # the weights may have been trained since the last step
                 self.planner.refresh_root(self.model, [request.row for request in self.scheduler.running])
