@@ -88,8 +88,9 @@ class KVStorage:
             raise ValueError(
                 f"layer {layer_idx}{shared} of the KV pool holds {existing.shape[2]} heads x {existing.shape[3]} "
                 f"dims of {existing.dtype} on {existing.device}, but the model produced {num_heads} heads x "
-                f"{head_dim} dims of {like.dtype} on {like.device}. A pool serves one model in one dtype; call "
-                "hf_paged.release_pool(model) after changing the model's dtype or device."
+                f"{head_dim} dims of {like.dtype} on {like.device}. A pool serves one model in one dtype: release the "
+                "caches that hold blocks (an idle pool follows a dtype change by itself), or call "
+                "hf_paged.release_pool(model) after moving the model to another device."
             )
 
     def write(self, layer_idx: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
