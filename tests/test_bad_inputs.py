@@ -150,11 +150,12 @@ def test_unknown_attention_implementation(model):
 
 
 # ---------------------------------------------------------------------- pool and model disagree
-def test_dtype_mismatch_between_pool_and_model():
+def test_dtype_mismatch_between_a_busy_pool_and_the_model():
+    """An idle pool follows a dtype change (tests/test_pool.py); one with blocks in use refuses the new dtype."""
     model = tiny_model("llama")
-    cache = PagedCache(model, block_size=4)
-    prefill(model, cache, torch.randint(3, 128, (1, 5)))
-    cache.release()
+    held = PagedCache(model, block_size=4)
+    prefill(model, held, torch.randint(3, 128, (1, 5)))
+    in_use = get_pool(model).stats().num_used
     model.to(torch.bfloat16)
     cache = PagedCache(model)
     message = (
@@ -162,8 +163,9 @@ def test_dtype_mismatch_between_pool_and_model():
     )
     with pytest.raises(ValueError, match=message):
         prefill(model, cache, torch.randint(3, 128, (1, 5)))
-    assert cache.batch_size == 0 and get_pool(model).stats().num_used == 0
+    assert cache.batch_size == 0 and get_pool(model).stats().num_used == in_use
     cache.release()
+    held.release()
     get_pool(model).check_invariants()
 
 

@@ -13,11 +13,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from ..engine.params import MAX_LOGIT_BIAS, MAX_PENALTY  # one statement of OpenAI's ranges, shared with the Engine
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions `logprobs`
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat `top_logprobs`
-MAX_LOGIT_BIAS = 300  # entries in `logit_bias`
+MAX_LOGIT_BIAS_ENTRIES = 300  # entries in `logit_bias`
 MAX_TOKEN_ID_DIGITS = 18  # a longer `logit_bias` key is no token id of any vocabulary
 _TOOL_FIELDS = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls")
 
@@ -42,8 +44,8 @@ class SamplingFields(BaseModel):
     n: int = Field(default=1, ge=1, le=16)
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -82,15 +84,18 @@ class SamplingFields(BaseModel):
     def _logit_bias(cls, value):
         if value is None:
             return value
-        if len(value) > MAX_LOGIT_BIAS:
-            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed, got {len(value)}")
+        if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} logit_bias entries are allowed, got {len(value)}")
         for token, bias in value.items():
             if not (token.isascii() and token.isdigit()):
                 raise ValueError(f"logit_bias keys must be token ids (strings of digits 0-9), got {_shorten(token)!r}")
             if len(token) > MAX_TOKEN_ID_DIGITS:
                 raise ValueError(f"logit_bias keys must be token ids, got a {len(token)}-digit number")
-            if not -100 <= bias <= 100:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias} for token "
+                    f"{token}"
+                )
         return value
 
     def stop_strings(self) -> list[str]:
