@@ -375,12 +375,21 @@ class PagedCache(BatchCache):
         forks = []
         for _ in range(n or 1):
             twin = PagedCache(model, **self.cache_config.options())
+            if not self.prefix_caching:  # its K/V depend on more than token ids (images...): so do the fork's
+                twin.stop_prefix_caching()
             twin._rows.extend(self.pool.fork_rows(self._rows))
             twin._seq_length = self._seq_length
             twin._layers_per_forward = self._layers_per_forward  # so a fork notices its own unfinished forward
             twin._note_peak_blocks()
             forks.append(twin)
         return forks[0] if n is None else forks
+
+    def __deepcopy__(self, memo: dict) -> PagedCache:
+        """`copy.deepcopy(prompt_cache)`, transformers' recipe for reusing a prompt's cache, is `fork()`: a cache
+        of its own that shares every block until it writes into one."""
+        twin = self.fork()
+        memo[id(self)] = twin
+        return twin
 
     # ------------------------------------------------------------------ row operations used by generate
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

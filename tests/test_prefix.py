@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 import hf_paged
 import hf_paged.prefix
@@ -367,6 +369,30 @@ def test_fork_shares_the_prompt_and_matches_independent_runs(model):
     cache.release()
     with pytest.raises(ValueError, match="n must be a positive int, got 0"):
         PagedCache(model).fork(0)
+
+
+def test_deepcopy_of_a_prompt_cache_is_a_fork(model):
+    """transformers' prompt-reuse recipe, `generate(..., past_key_values=copy.deepcopy(prompt_cache))`, as with a
+    DynamicCache (it was `TypeError: cannot pickle '_thread.RLock' object`)."""
+    prompt = torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(4))
+    follow = torch.cat([prompt, torch.randint(3, 128, (1, 3), generator=torch.Generator().manual_seed(5))], dim=1)
+    options = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+    dynamic, paged = DynamicCache(), PagedCache(model, block_size=4)
+    with torch.no_grad():
+        model(input_ids=prompt, past_key_values=dynamic)
+        model(input_ids=prompt, past_key_values=paged)
+    used = get_pool(model).stats().num_used
+    copies = [copy.deepcopy(paged) for _ in range(2)]
+    assert get_pool(model).stats().num_used == used  # shared, not copied
+    reference = model.generate(input_ids=follow, past_key_values=copy.deepcopy(dynamic), **options)
+    for twin in copies:
+        assert torch.equal(model.generate(input_ids=follow, past_key_values=twin, **options), reference)
+        twin.release()
+    assert paged.get_seq_length() == 10
+    image_like = PagedCache(model, block_size=4)
+    image_like.stop_prefix_caching()  # K/V depending on more than token ids: the copy must not index them either
+    assert not copy.deepcopy(image_like).prefix_caching
+    paged.release()
 
 
 def test_reused_cache_is_cropped_to_what_the_new_prompt_shares(model):
