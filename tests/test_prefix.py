@@ -541,8 +541,8 @@ def two_adapter_model():
         return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"], init_lora_weights=False)
 
     torch.manual_seed(0)
-    peft_model = get_peft_model(tiny_model("llama"), lora(), adapter_name="a")
-    peft_model.add_adapter("b", lora())
+    peft_model = get_peft_model(tiny_model("llama"), lora(), adapter_name="one")
+    peft_model.add_adapter("two", lora())
     return peft_model.eval()
 
 
@@ -553,8 +553,8 @@ def set_scale(peft_model, adapter: str, scale: float) -> None:
 
 
 ADAPTER_CHANGES = {
-    "set_adapter": lambda m: m.set_adapter("b"),
-    "set_scale": lambda m: set_scale(m, "a", 3.0),
+    "set_adapter": lambda m: m.set_adapter("two"),
+    "set_scale": lambda m: set_scale(m, "one", 3.0),
     "disable_adapter_layers": lambda m: m.base_model.disable_adapter_layers(),
 }
 
@@ -579,7 +579,7 @@ def test_an_engine_on_a_peft_model_follows_its_active_adapter():
     prompts = [list(range(3, 43)), list(range(50, 85))]
     engine = hf_paged.Engine(peft_model, block_size=8)
     stock_options = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
-    for change in (lambda: None, lambda: peft_model.set_adapter("b"), peft_model.disable_adapter):
+    for change in (lambda: None, lambda: peft_model.set_adapter("two"), peft_model.disable_adapter):
         with change() or contextlib.nullcontext():
             outputs = engine.generate(prompts, max_new_tokens=6, min_new_tokens=6)
             expected = [peft_model.generate(torch.tensor([p]), **stock_options)[0, len(p) :].tolist() for p in prompts]
