@@ -142,6 +142,12 @@ class BatchCache(Cache, ForwardBoundCache):
     def is_compileable(self) -> bool:
         return False
 
+    @property
+    def is_initialized(self) -> bool:
+        """Whether the cache holds rows (a forward ran since it was built or reset), as a `DynamicCache` is
+        initialized by its first forward: models such as Molmo2 and HRM tell their first forward by it."""
+        return bool(self.rows)
+
     # ------------------------------------------------------------------ the running forward
     def run(self, batch: ForwardBatch) -> None:
         """Run the next forward of the model on `batch` (planned by the caller with this cache's planner)."""

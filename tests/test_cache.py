@@ -216,3 +216,25 @@ def test_a_forward_interrupted_midway_is_forgotten_by_the_next_one(model):
     paged = model.generate(input_ids=prompt, max_new_tokens=6, pad_token_id=0, past_key_values=cache)
     assert torch.equal(reference, paged)  # ... until the next forward drops them and recomputes
     cache.release()
+
+
+def test_is_initialized_follows_a_dynamic_cache():
+    """Models (Molmo2, HRM) tell their first forward by `past_key_values.is_initialized`."""
+    model = tiny_model("llama")
+    prompt = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(1))
+    dynamic, paged = DynamicCache(config=model.config), PagedCache(model, block_size=4)
+    seen = []
+    for step in ("new", "forward", "decode", "reset"):
+        with torch.no_grad():
+            if step == "forward":
+                for cache in (dynamic, paged):
+                    model(input_ids=prompt, past_key_values=cache)
+            elif step == "decode":
+                for cache in (dynamic, paged):
+                    model(input_ids=prompt[:, :1], past_key_values=cache)
+            elif step == "reset":
+                dynamic.reset()
+                paged.reset()
+        seen.append((dynamic.is_initialized, paged.is_initialized))
+    assert seen == [(False, False), (True, True), (True, True), (False, False)]
+    paged.release()
