@@ -186,7 +186,7 @@ def _packed_attention(module, query, paged_cache, layer_idx, packed, scaling, dr
     back to their packed places: `[1, T, heads, head_dim]`."""
     num_heads, head_dim = query.shape[1], query.shape[-1]
     window = paged_cache.layer_window(layer_idx)
-    output = query.new_empty(query.shape[2], num_heads, head_dim)
+    output = None  # in the attention's output dtype (under autocast: not the query's)
     whole = len(packed.groups) == 1
     for group in packed.groups:
         rows, width = group.rows.numel(), group.width
@@ -195,6 +195,8 @@ def _packed_attention(module, query, paged_cache, layer_idx, packed, scaling, dr
         out, _ = _attention(
             module, per_row, keys, values, group.mask(window), scaling, dropout, softcap, s_aux, **kwargs
         )
+        if output is None:
+            output = out.new_empty(query.shape[2], num_heads, head_dim)
         output.index_copy_(
             0, group.token_index, out.reshape(rows * width, num_heads, head_dim).index_select(0, group.source_index)
         )

@@ -53,7 +53,7 @@ class PagedLayer(CacheLayerMixin):
         _refuse_assignment("values", value)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self._cache.pool.storage.ensure_layer(self.layer_idx, key_states.transpose(1, 2))
+        self._cache.pool.storage.ensure_layer(self.layer_idx, key_states.transpose(1, 2), value_states.transpose(1, 2))
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 

@@ -64,8 +64,11 @@ class KVStorage:
         """Whether `layer_idx`'s tensors are allocated (its first K/V was written)."""
         return self.lane_of(layer_idx) in self.keys
 
-    def ensure_layer(self, layer_idx: int, like: torch.Tensor) -> None:
-        """Allocate `layer_idx` for tokens shaped like `like` (`[..., num_kv_heads, head_dim]`) or check it matches."""
+    def ensure_layer(self, layer_idx: int, like: torch.Tensor, values_like: torch.Tensor | None = None) -> None:
+        """Allocate `layer_idx` for tokens shaped like `like` (`[..., num_kv_heads, head_dim]`) or check it matches.
+        K and V share one dtype, the one that holds both exactly: under `torch.autocast` a layer's keys can come out
+        in float32 (after RoPE) and its values in bfloat16; both are stored in float32 without loss."""
+        dtype = like.dtype if values_like is None else torch.promote_types(like.dtype, values_like.dtype)
         num_heads, head_dim = like.shape[-2], like.shape[-1]
         lane = self.lane_of(layer_idx)
         existing = self.keys.get(lane)
@@ -76,28 +79,36 @@ class KVStorage:
                     # empty, not zeros: pages are touched only as blocks are used, and reads only ever name slots
                     # that were written (pad positions name the row's first real slot)
                     with torch.inference_mode(False):  # normal tensors: written in and out of inference mode
-                        self.keys[lane] = torch.empty(shape, dtype=like.dtype, device=like.device)
-                        self.values[lane] = torch.empty(shape, dtype=like.dtype, device=like.device)
+                        self.keys[lane] = torch.empty(shape, dtype=dtype, device=like.device)
+                        self.values[lane] = torch.empty(shape, dtype=dtype, device=like.device)
             return
-        if (
-            existing.shape[2:] != (num_heads, head_dim)
-            or existing.dtype != like.dtype
-            or existing.device != like.device
-        ):
-            shared = "" if lane == layer_idx else f" (lane {lane}, shared with other layer groups)"
-            raise ValueError(
-                f"layer {layer_idx}{shared} of the KV pool holds {existing.shape[2]} heads x {existing.shape[3]} "
-                f"dims of {existing.dtype} on {existing.device}, but the model produced {num_heads} heads x "
-                f"{head_dim} dims of {like.dtype} on {like.device}. A pool serves one model in one dtype: release the "
-                "caches that hold blocks (an idle pool follows a dtype change by itself), or call "
-                "hf_paged.release_pool(model) after moving the model to another device."
-            )
+        if existing.shape[2:] != (num_heads, head_dim) or existing.device != like.device:
+            raise self._mismatch(layer_idx, existing, like)
+        for produced in (like, values_like):
+            if produced is not None and not _holds_exactly(existing.dtype, produced.dtype):
+                raise self._mismatch(layer_idx, existing, produced)
+
+    def _mismatch(self, layer_idx: int, existing: torch.Tensor, like: torch.Tensor) -> ValueError:
+        lane = self.lane_of(layer_idx)
+        shared = "" if lane == layer_idx else f" (lane {lane}, shared with other layer groups)"
+        num_heads, head_dim = like.shape[-2], like.shape[-1]
+        return ValueError(
+            f"layer {layer_idx}{shared} of the KV pool holds {existing.shape[2]} heads x {existing.shape[3]} "
+            f"dims of {existing.dtype} on {existing.device}, but the model produced {num_heads} heads x "
+            f"{head_dim} dims of {like.dtype} on {like.device}. A pool serves one model in one dtype: release the "
+            "caches that hold blocks (an idle pool follows a dtype change by itself), or call "
+            "hf_paged.release_pool(model) after moving the model to another device."
+        )
 
     def write(self, layer_idx: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store tokens `keys[i]`, `values[i]` (each `[num_tokens, num_kv_heads, head_dim]`) into `slots[i]`."""
+        """Store tokens `keys[i]`, `values[i]` (each `[num_tokens, num_kv_heads, head_dim]`) into `slots[i]`; a
+        dtype the storage holds exactly (bfloat16 in float32) is converted, any other is refused (`ValueError`)."""
         if self.lane_of(layer_idx) not in self.keys:
-            self.ensure_layer(layer_idx, keys)
+            self.ensure_layer(layer_idx, keys, values)
         flat_keys, flat_values = self._flat(layer_idx)
+        if keys.dtype != flat_keys.dtype or values.dtype != flat_values.dtype:
+            self.ensure_layer(layer_idx, keys, values)  # raises unless both convert exactly
+            keys, values = keys.to(flat_keys.dtype), values.to(flat_values.dtype)
         flat_keys.index_copy_(0, slots, keys)
         flat_values.index_copy_(0, slots, values)
 
@@ -149,3 +160,8 @@ def head_rows(slot_map: torch.Tensor, num_heads: int) -> torch.Tensor:
     yields K or V already laid out as contiguous `[batch, num_heads, length, head_dim]`."""
     heads = torch.arange(num_heads, device=slot_map.device)
     return (slot_map[:, None, :] * num_heads + heads[None, :, None]).reshape(-1)
+
+
+def _holds_exactly(stored: torch.dtype, produced: torch.dtype) -> bool:
+    """Whether every value of `produced` has an exact `stored` value (bfloat16 and float16 in float32)."""
+    return torch.promote_types(stored, produced) == stored

@@ -417,3 +417,23 @@ def test_peft_prompt_tuning_runs_like_stock_and_prefix_tuning_is_refused():
         hf_paged.Engine(prefix_tuned)
     with pytest.raises(NotImplementedError, match="Engine cannot serve a PEFT PROMPT_TUNING model"):
         hf_paged.Engine(prompt_tuned)
+
+
+def test_generation_under_autocast_runs_like_stock():
+    """Under `torch.autocast` a layer's keys come out in float32 (after RoPE) and its values in bfloat16: both are
+    stored in float32 without loss (it was an `index_copy_` dtype error inside the cache and the packed attention)."""
+    model = tiny_model("llama")
+    input_ids, attention_mask = left_padded_batch([5, 9], seed=3)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=8, do_sample=False)
+    prompts = [row[mask.bool()].tolist() for row, mask in zip(input_ids, attention_mask)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = seeded(model, **kwargs)
+        paged = seeded(model, **kwargs, cache_implementation="paged", cache_config=CACHE)
+        paged.past_key_values.release()
+        engine = hf_paged.Engine(model, **CACHE)
+        outputs = engine.generate(prompts, max_new_tokens=8, min_new_tokens=8)
+    assert torch.equal(reference.sequences, paged.sequences)
+    assert [o.token_ids for o in outputs] == reference.sequences[:, input_ids.shape[1] :].tolist()
+    assert get_pool(model).storage.values[0].dtype == torch.float32
+    assert torch.equal(model.generate(**kwargs, cache_implementation="paged"), model.generate(**kwargs))
+    engine.close()
