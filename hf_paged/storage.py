@@ -67,7 +67,7 @@ class KVStorage:
     def ensure_layer(self, layer_idx: int, like: torch.Tensor, values_like: torch.Tensor | None = None) -> None:
         """Allocate `layer_idx` for tokens shaped like `like` (`[..., num_kv_heads, head_dim]`) or check it matches.
         K and V share one dtype, the one that holds both exactly: under `torch.autocast` a layer's keys can come out
-        in float32 (after RoPE) and its values in bfloat16; both are stored in float32 without loss."""
+        in float32 (after RoPE) and its values in bfloat16; both are then stored in float32 without loss."""
         dtype = like.dtype if values_like is None else torch.promote_types(like.dtype, values_like.dtype)
         num_heads, head_dim = like.shape[-2], like.shape[-1]
         lane = self.lane_of(layer_idx)
@@ -85,7 +85,7 @@ class KVStorage:
         if existing.shape[2:] != (num_heads, head_dim) or existing.device != like.device:
             raise self._mismatch(layer_idx, existing, like)
         for produced in (like, values_like):
-            if produced is not None and not _holds_exactly(existing.dtype, produced.dtype):
+            if produced is not None and not _accepts(existing.dtype, produced):
                 raise self._mismatch(layer_idx, existing, produced)
 
     def _mismatch(self, layer_idx: int, existing: torch.Tensor, like: torch.Tensor) -> ValueError:
@@ -101,8 +101,9 @@ class KVStorage:
         )
 
     def write(self, layer_idx: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store tokens `keys[i]`, `values[i]` (each `[num_tokens, num_kv_heads, head_dim]`) into `slots[i]`; a
-        dtype the storage holds exactly (bfloat16 in float32) is converted, any other is refused (`ValueError`)."""
+        """Store tokens `keys[i]`, `values[i]` (each `[num_tokens, num_kv_heads, head_dim]`) into `slots[i]`. Under
+        `torch.autocast` a dtype the storage holds exactly (bfloat16 in float32) is converted (autocast converts what
+        the attention reads back); any other dtype is refused (`ValueError`)."""
         if self.lane_of(layer_idx) not in self.keys:
             self.ensure_layer(layer_idx, keys, values)
         flat_keys, flat_values = self._flat(layer_idx)
@@ -162,6 +163,10 @@ def head_rows(slot_map: torch.Tensor, num_heads: int) -> torch.Tensor:
     return (slot_map[:, None, :] * num_heads + heads[None, :, None]).reshape(-1)
 
 
-def _holds_exactly(stored: torch.dtype, produced: torch.dtype) -> bool:
-    """Whether every value of `produced` has an exact `stored` value (bfloat16 and float16 in float32)."""
-    return torch.promote_types(stored, produced) == stored
+def _accepts(stored: torch.dtype, produced: torch.Tensor) -> bool:
+    """Whether K/V `produced` may go into storage of dtype `stored`: the same dtype, or under `torch.autocast` one
+    whose every value `stored` holds exactly (bfloat16 or float16 in float32)."""
+    if produced.dtype == stored:
+        return True
+    autocast = torch.is_autocast_enabled(produced.device.type)
+    return autocast and torch.promote_types(stored, produced.dtype) == stored
