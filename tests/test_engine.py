@@ -3,6 +3,7 @@ fails bad requests alone."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 
@@ -714,3 +715,27 @@ def test_an_engine_follows_a_resized_vocabulary():
     assert output.token_ids == alone(model, prompt, 4, min_new_tokens=4, do_sample=False, sequence_bias={(155,): 0.5})
     with pytest.raises(ValueError, match=r"token ids must be ints in \[0, 160\), got \[160\]"):
         engine.add_request([5, 160])
+
+
+def test_streams_consumed_in_turn_by_one_thread_each_get_every_piece(model, workload):
+    """Two streams read alternately (`zip_longest`), and a `generate` run while a stream is paused: each call takes
+    all of its own pieces, whoever stepped (this hung: a stream waited for a final output the other one held)."""
+    prompts, news, expected = workload
+    engine = Engine(model, block_size=4, num_blocks=128)
+    first = engine.stream(prompts[0:2], max_new_tokens=3, min_new_tokens=3)
+    second = engine.stream(prompts[2:4], max_new_tokens=6, min_new_tokens=6)
+    pieces: dict[str, list[int]] = {}
+    finals = {}
+    for pair in itertools.zip_longest(first, second):
+        for output in filter(None, pair):
+            pieces.setdefault(output.request_id, []).extend(output.new_token_ids)
+            if output.finished:
+                finals[output.request_id] = output.token_ids
+    assert len(finals) == 4 and all(pieces[i] == finals[i] for i in finals)
+    assert sorted(finals.values()) == sorted([e[:3] for e in expected[0:2]] + [e[:6] for e in expected[2:4]])
+    paused = engine.stream(prompts[4:5], max_new_tokens=6, min_new_tokens=6)
+    streamed = list(next(paused).new_token_ids)
+    (between,) = engine.generate(prompts[5:6], max_new_tokens=4, min_new_tokens=4)
+    streamed += [token for output in paused for token in output.new_token_ids]
+    assert streamed == expected[4][:6] and between.token_ids == expected[5][:4]
+    assert not engine.has_unfinished_requests() and not engine._collectors

@@ -8,6 +8,7 @@ import operator
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -121,6 +122,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._held_outputs: list[RequestOutput] = []  # other callers' final outputs a generate/stream call stepped
+        self._collectors: dict[str, deque] = {}  # request id -> the outputs its generate/stream call has to take
         self.last_stats: EngineStats | None = None
         self.reset_stats()
 
@@ -237,8 +239,9 @@ class Engine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """Run one forward (prefill or decode) and return the output of every request that changed; finished
-        requests are reported once and forgotten. Requests a `generate` or `stream` call finished while it stepped
-        for its own are reported by the next `step()`."""
+        requests are reported once and forgotten. The outputs of requests a `generate` or `stream` call is
+        collecting go to that call, whoever steps; final outputs of other requests that such a call's steps
+        produced are reported by the next `step()`."""
         dropped = cache_dropped_by_checkpointing(self.model)
         if dropped is not None:  # refused before anything changes: the requests wait for the model to be fixed
             raise ValueError(dropped)
@@ -258,10 +261,15 @@ class Engine:
             self._last_step_time = time.perf_counter()
             outputs, self._held_outputs = self._held_outputs, []
             for request in dict.fromkeys(changed):
-                outputs.append(request.output())
+                output = request.output()
                 if request.finished:
                     self._account_finished(request)
                     self._requests.pop(request.request_id, None)
+                collector = self._collectors.get(request.request_id)
+                if collector is None:
+                    outputs.append(output)
+                else:  # a generate or stream call's request: its call takes it (not necessarily this caller)
+                    collector.append(output)
             return outputs
 
     def _run(self, step: Step) -> list[Request]:
@@ -398,7 +406,7 @@ class Engine:
         configs = _per_prompt(generation_config, len(prompts))
         pending = set(self._add_all(prompts, configs, options))
         try:
-            yield from outputs_until_finished(self.step, pending, self._held_outputs.append)
+            yield from self._collect(pending)
         finally:
             self._forget(pending)  # the caller stopped listening: nobody needs their final report
 
@@ -430,17 +438,39 @@ class Engine:
         show = progress if progress is not None else self.progress
         show = sys.stderr.isatty() if show is None else show
         results: dict[str, RequestOutput] = {}
-        pending = set(ids)
         with tqdm(total=len(ids), desc="hf_paged", unit="req", disable=not show) as bar:
-            while pending:
-                for output in self.step():
-                    if output.finished and output.request_id in pending:
-                        pending.discard(output.request_id)
-                        results[output.request_id] = output
-                        bar.update(1)
-                    elif output.finished:  # another caller's request
-                        self._held_outputs.append(output)
+            for output in self._collect(set(ids)):
+                if output.finished:
+                    results[output.request_id] = output
+                    bar.update(1)
         return results
+
+    def _collect(self, pending: set[str]) -> Iterator[RequestOutput]:
+        """The outputs of this call's requests `pending`, in order, until every one has finished (`pending` is left
+        holding the unfinished ones). Steps run only when none is waiting: another call (an interleaved stream, a
+        `generate` in between) may have stepped and left them here. Final outputs of requests no call collects
+        are kept for the next `step()`."""
+        collected: deque[RequestOutput] = deque()
+        ids = list(pending)
+        with self._lock:
+            for request_id in ids:
+                self._collectors[request_id] = collected
+        try:
+            while pending:
+                if not collected:
+                    others = [output for output in self.step() if output.finished]
+                    with self._lock:
+                        self._held_outputs.extend(others)
+                while collected:
+                    output = collected.popleft()
+                    if output.finished:
+                        pending.discard(output.request_id)
+                    yield output
+        finally:
+            with self._lock:
+                for request_id in ids:
+                    if self._collectors.get(request_id) is collected:
+                        del self._collectors[request_id]
 
     # ------------------------------------------------------------------ stats and shutdown
     def reset_stats(self) -> None:
