@@ -388,8 +388,8 @@ def test_requests_added_from_another_thread_join_the_batch(model, workload):
         ("hello", {}, "string prompts need a tokenizer"),
         ([1, 2], {"stop": ["x"]}, "stop strings"),
         ([1, 2], {"max_new_tokens": -1}, "max_new_tokens must be an int >= 0, got -1"),
-        ([1, 2], {"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
-        ([1, 2], {"temperature": 0.0}, "temperature must be > 0, got 0.0"),
+        ([1, 2], {"top_p": 1.5, "do_sample": True}, r"top_p must be in \(0, 1\] when sampling, got 1.5"),
+        ([1, 2], {"temperature": 0.0, "do_sample": True}, "temperature must be > 0 when sampling, got 0.0"),
         (list(range(1, 100)) * 6, {}, "594 tokens; the model.s context window is 512 tokens"),
     ],
 )
@@ -739,3 +739,15 @@ def test_streams_consumed_in_turn_by_one_thread_each_get_every_piece(model, work
     streamed += [token for output in paused for token in output.new_token_ids]
     assert streamed == expected[4][:6] and between.token_ids == expected[5][:4]
     assert not engine.has_unfinished_requests() and not engine._collectors
+
+
+def test_greedy_requests_ignore_the_sampling_warpers_as_generate_does(model, workload):
+    """`generate(do_sample=False, temperature=0.0)` runs (transformers warns the flag is ignored); so does the
+    Engine, also when the 0 comes from the model's generation config (every request was refused)."""
+    prompts, news, expected = workload
+    engine = Engine(model, block_size=4, num_blocks=128)
+    (output,) = engine.generate(prompts[:1], max_new_tokens=4, min_new_tokens=4, temperature=0.0, top_p=0.0)
+    assert output.token_ids == expected[0][:4]
+    config = GenerationConfig(do_sample=False, temperature=0.0, max_new_tokens=4, min_new_tokens=4)
+    (output,) = engine.generate(prompts[:1], config)
+    assert output.token_ids == expected[0][:4]

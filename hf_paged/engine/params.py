@@ -76,10 +76,12 @@ class SamplingParams:
     >>> from hf_paged.engine import SamplingParams
     >>> SamplingParams(max_new_tokens=8, do_sample=True, top_p=0.9, seed=0).top_p
     0.9
-    >>> SamplingParams(temperature=0)
+    >>> SamplingParams(temperature=0).do_sample  # greedy: the warpers are ignored, as in generate
+    False
+    >>> SamplingParams(do_sample=True, temperature=0)
     Traceback (most recent call last):
     ...
-    ValueError: temperature must be > 0, got 0
+    ValueError: temperature must be > 0 when sampling, got 0
 
     ```
     """
@@ -107,10 +109,10 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.do_sample and not self.temperature > 0:  # greedy ignores the warpers, as generate does
+            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature!r}")
+        if self.do_sample and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] when sampling, got {self.top_p!r}")
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         if any(not text for text in self.stop):
