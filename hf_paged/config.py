@@ -90,9 +90,14 @@ class PagedCacheConfig:
     prefix_caching: bool | None = None
 
     @classmethod
-    def from_dict(cls, options: dict | None) -> PagedCacheConfig:
+    def from_dict(cls, options: dict | PagedCacheConfig | None) -> PagedCacheConfig:
+        """The config of `cache_config` options (a dict, or a `PagedCacheConfig` itself)."""
+        if isinstance(options, PagedCacheConfig):
+            options = options.options()
         if options is not None and not isinstance(options, Mapping):
-            raise TypeError(f"cache_config must be a dict, got {type(options).__name__} {options!r}")
+            raise TypeError(
+                f"cache_config must be a dict or a PagedCacheConfig, got {type(options).__name__} {options!r}"
+            )
         options = dict(options or {})
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)

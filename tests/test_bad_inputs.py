@@ -126,7 +126,7 @@ def test_unknown_cache_config_keys(model):
 
 
 def test_cache_config_that_is_not_a_dict(model):
-    with refused(model, TypeError, "cache_config must be a dict, got str 'block_size=4'"):
+    with refused(model, TypeError, "cache_config must be a dict or a PagedCacheConfig, got str 'block_size=4'"):
         generate(model, cache_implementation="paged", cache_config="block_size=4")
 
 

@@ -751,3 +751,23 @@ def test_greedy_requests_ignore_the_sampling_warpers_as_generate_does(model, wor
     config = GenerationConfig(do_sample=False, temperature=0.0, max_new_tokens=4, min_new_tokens=4)
     (output,) = engine.generate(prompts[:1], config)
     assert output.token_ids == expected[0][:4]
+
+
+def test_a_tokenizers_output_is_taken_as_its_prompts(smollm2):
+    """`apply_chat_template` returns a `BatchEncoding` in transformers 5; a padded batch encoding's pads are not
+    prompt tokens (both were refused); raw chat messages are refused with the way to apply the template."""
+    model, tokenizer = smollm2
+    engine = Engine(model, tokenizer, block_size=16, num_blocks=64)
+    messages = [{"role": "user", "content": "Name a colour."}]
+    encoding = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids = list(encoding["input_ids"])
+    (from_ids,) = engine.generate([ids], max_new_tokens=4)
+    (from_encoding,) = engine.generate(encoding, max_new_tokens=4)
+    assert from_encoding.prompt_token_ids == ids and from_encoding.token_ids == from_ids.token_ids
+    texts = ["Hello there", "A much longer prompt than the first one"]
+    batch = tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False)
+    unpadded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    assert [o.prompt_token_ids for o in engine.generate(batch, max_new_tokens=2)] == unpadded
+    with pytest.raises(ValueError, match=r"apply the chat template first, e.g. tokenizer.apply_chat_template"):
+        engine.generate(messages, max_new_tokens=2)
+    engine.close()

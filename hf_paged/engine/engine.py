@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from transformers import GenerationConfig
@@ -550,6 +550,11 @@ class Engine:
         return SamplingParams.from_generation_config(config, **options)
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, Mapping):  # a tokenizer's output (apply_chat_template's)
+            prompts = _encoded_prompts(prompt)
+            if len(prompts) != 1:
+                raise ValueError(f"one prompt was expected, got a tokenizer output of {len(prompts)}")
+            prompt = prompts[0]
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("string prompts need a tokenizer: Engine(model, tokenizer)")
@@ -609,8 +614,10 @@ def _fields(params: SamplingParams) -> dict:
 
 
 def _as_prompt_list(prompts) -> list:
-    """One prompt (a string, token ids, a 1-D tensor or array) or several (a list of them, a 2-D tensor or array)
-    as a list of prompts."""
+    """One prompt (a string, token ids, a 1-D tensor or array) or several (a list of them, a 2-D tensor or array,
+    a tokenizer's output) as a list of prompts."""
+    if isinstance(prompts, Mapping):
+        return _encoded_prompts(prompts)
     if hasattr(prompts, "ndim") and hasattr(prompts, "tolist"):  # a torch tensor or a numpy array
         if prompts.ndim not in (1, 2):
             raise ValueError(f"a tensor of prompts must be 1-D or 2-D, got shape {tuple(prompts.shape)}")
@@ -622,6 +629,26 @@ def _as_prompt_list(prompts) -> list:
             f"prompts must be a string, token ids, a tensor, or a non-empty list of these, got {prompts!r:.80}"
         )
     return list(prompts)
+
+
+def _encoded_prompts(encoding: Mapping) -> list[list[int]]:
+    """The prompts of a tokenizer's output (a `BatchEncoding`, as `apply_chat_template` returns, or a dict): its
+    `input_ids`, one prompt or a batch, without the positions its `attention_mask` marks as padding."""
+    if "input_ids" not in encoding:
+        if "role" in encoding:
+            raise ValueError(
+                "got a chat message: apply the chat template first, e.g. "
+                "tokenizer.apply_chat_template(messages, add_generation_prompt=True)"
+            )
+        raise ValueError(f"a mapping of prompts needs input_ids (a tokenizer's output), got keys {sorted(encoding)}")
+    ids, mask = encoding["input_ids"], encoding.get("attention_mask")
+    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    mask = mask.tolist() if hasattr(mask, "tolist") else mask
+    if ids and _is_token(ids[0]):  # one prompt
+        ids, mask = [ids], None if mask is None else [mask]
+    if mask is None:
+        return ids
+    return [[token for token, keep in zip(row, keep_row) if keep] for row, keep_row in zip(ids, mask)]
 
 
 def _is_token(value) -> bool:
