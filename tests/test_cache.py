@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+import hf_paged
 from hf_paged import PagedCache, get_pool
 from hf_paged.reference_models import tiny_model
 
@@ -238,3 +239,19 @@ def test_is_initialized_follows_a_dynamic_cache():
         seen.append((dynamic.is_initialized, paged.is_initialized))
     assert seen == [(False, False), (True, True), (True, True), (False, False)]
     paged.release()
+
+
+def test_cache_config_may_be_a_paged_cache_config():
+    model = tiny_model("llama")
+    prompt = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(2))
+    options = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    out = model.generate(
+        prompt,
+        cache_implementation="paged",
+        cache_config=hf_paged.PagedCacheConfig(block_size=8),
+        return_dict_in_generate=True,
+        **options,
+    )
+    assert get_pool(model).block_size == 8
+    assert torch.equal(out.sequences, model.generate(prompt, **options))
+    out.past_key_values.release()
