@@ -14,7 +14,7 @@ from .allocator import AllocatorStats, BlockAllocator, BlockTable
 from .config import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_FRACTION, DEFAULT_MAX_BLOCKS, PagedCacheConfig
 from .groups import KVLayout, layer_kv_shapes
 from .rows import Row
-from .storage import KVStorage
+from .storage import KVStorage, autocast_dtype
 from .tensor_parallel import local_kv_shapes, tensor_parallel_placement
 
 logger = logging.getLogger(__name__)
@@ -147,6 +147,7 @@ class BlockPool:
         self.kv_shape = kv_shape
         self.layout = layout
         self.last_cache_stats = None  # CacheStats of the most recently released PagedCache
+        self._compute: tuple | None = None  # (weights' dtype, autocast dtype) the stored K/V were computed in
 
     @property
     def num_blocks(self) -> int:
@@ -188,21 +189,25 @@ class BlockPool:
         )
 
     def follow_model_dtype(self, model: torch.nn.Module) -> bool:
-        """After `model.to(dtype)`: when no block is in use, drop the stored K/V tensors and the prefix cache (their
-        lanes are allocated again, in the new dtype, on the next write) and return `True`. With blocks in use
-        nothing changes: the next write into them raises a `ValueError` naming both dtypes."""
+        """After `model.to(dtype)`, or entering or leaving `torch.autocast`: when no block is in use, drop the stored
+        K/V tensors and the prefix cache (their lanes are allocated again, in the dtypes the model now produces, on
+        the next write) and return `True`. With blocks in use nothing changes: the next write of another dtype
+        raises a `ValueError` naming both."""
         if self.kv_shape is None:
             return False
-        dtype = model_kv_dtype(model)
-        if dtype == self.kv_shape.dtype:
+        compute = (model_kv_dtype(model), autocast_dtype(model))
+        if self._compute is None:
+            self._compute = compute
+        if compute == self._compute:
             return False
         with self.lock:
             if self.allocator.num_used:
                 return False
             self.allocator.clear_prefix_cache()
             self.storage.clear()
-            self.kv_shape = replace(self.kv_shape, dtype=dtype)
-        logger.info("hf_paged: the model's dtype is now %s: the idle pool's K/V tensors were dropped", dtype)
+            self.kv_shape = replace(self.kv_shape, dtype=compute[0])
+            self._compute = compute
+        logger.info("hf_paged: the model now computes in %s (autocast: %s): the idle pool's K/V were dropped", *compute)
         return True
 
     # ------------------------------------------------------------------ verbs over rows (each one atomic)
@@ -396,6 +401,7 @@ def get_pool(model: torch.nn.Module, **cache_config) -> BlockPool:
                 f"num_blocks={num_blocks} until every PagedCache using it is released"
             )
         pool = BlockPool(num_blocks, block_size, kv_shape, layout)
+        pool.follow_model_dtype(model)  # records what its K/V will be computed in
         logger.info(
             "hf_paged: pool of %d blocks x %d tokens (%.1f MiB of KV, %d layer group(s), %d KV heads) for %s%s",
             num_blocks,

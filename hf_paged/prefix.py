@@ -10,6 +10,8 @@ from array import array
 
 import torch
 
+from .storage import autocast_dtype
+
 DIGEST_SIZE = 16
 
 
@@ -118,7 +120,7 @@ def prefix_namespace(model: torch.nn.Module) -> bytes:
     """What besides the tokens decides a block's K/V: the model, its dtype, its adapters (names, and the layers'
     `adapter_state_key`), its weights as they are now (`weights_key`: blocks computed before training, a merge or
     an edit are never reused after it) and its mode: a model in training mode (dropout) gets a namespace of its own
-    at every read, so K/V computed in training mode are never reused.
+    at every read, so K/V computed in training mode are never reused; and `torch.autocast`'s dtype, if any.
 
     Example:
 
@@ -150,7 +152,7 @@ def prefix_namespace(model: torch.nn.Module) -> bytes:
     dtype = next(model.parameters()).dtype
     parts = [type(model).__name__, str(getattr(config, "_name_or_path", "")), str(dtype), ",".join(adapters)]
     sample, parameters = _sample_of(model)
-    parts += [sample.adapter_key(), sample.weights_key(parameters)]
+    parts += [sample.adapter_key(), sample.weights_key(parameters), f"autocast:{autocast_dtype(model)}"]
     if model.training:
         parts.append(f"training:{next(_training_reads)}")
     return "\x1f".join(parts).encode()

@@ -168,5 +168,18 @@ def _accepts(stored: torch.dtype, produced: torch.Tensor) -> bool:
     whose every value `stored` holds exactly (bfloat16 or float16 in float32)."""
     if produced.dtype == stored:
         return True
-    autocast = torch.is_autocast_enabled(produced.device.type)
+    autocast = _autocast_dtype_on(produced.device.type) is not None
     return autocast and torch.promote_types(stored, produced.dtype) == stored
+
+
+def autocast_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    """The dtype `torch.autocast` computes `model`'s forward in now, or `None` outside autocast."""
+    return _autocast_dtype_on(next(model.parameters()).device.type)
+
+
+def _autocast_dtype_on(device_type: str) -> torch.dtype | None:
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know ("meta")
+        return None
+    return torch.get_autocast_dtype(device_type) if enabled else None

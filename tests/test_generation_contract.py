@@ -434,6 +434,24 @@ def test_generation_under_autocast_runs_like_stock():
         outputs = engine.generate(prompts, max_new_tokens=8, min_new_tokens=8)
     assert torch.equal(reference.sequences, paged.sequences)
     assert [o.token_ids for o in outputs] == reference.sequences[:, input_ids.shape[1] :].tolist()
-    assert get_pool(model).storage.values[0].dtype == torch.float32
+    assert engine.pool.storage.values[0].dtype == torch.float32
     assert torch.equal(model.generate(**kwargs, cache_implementation="paged"), model.generate(**kwargs))
     engine.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_blocks_computed_under_autocast_never_serve_a_call_outside_it(family):
+    """Autocast's dtype is in the prefix key, and an idle pool drops K/V stored in another dtype: a plain call after
+    an autocast one reused its blocks (scores off by ~1e-3), and on GPT-2 (no RoPE: bfloat16 keys and values) it was
+    refused ("holds torch.bfloat16")."""
+    model = tiny_model(family)
+    prompt = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(input_ids=prompt, max_new_tokens=8, do_sample=False, cache_config={"block_size": 8})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        seeded(model, **kwargs, cache_implementation="paged").past_key_values.release()
+    paged = seeded(model, **kwargs, cache_implementation="paged")
+    assert paged.past_key_values.stats().prefix_tokens_reused == 0
+    paged.past_key_values.release()
+    del kwargs["cache_config"]
+    assert_same_scores(seeded(model, **kwargs), paged)
+    assert max((a - b).abs().max().item() for a, b in zip(seeded(model, **kwargs).scores, paged.scores)) == 0
