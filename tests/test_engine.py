@@ -771,3 +771,10 @@ def test_a_tokenizers_output_is_taken_as_its_prompts(smollm2):
     with pytest.raises(ValueError, match=r"apply the chat template first, e.g. tokenizer.apply_chat_template"):
         engine.generate(messages, max_new_tokens=2)
     engine.close()
+
+
+def test_an_engine_takes_cache_config_as_generate_does(model):
+    engine = Engine(model, cache_config=hf_paged.PagedCacheConfig(block_size=8, num_blocks=40))
+    assert (engine.pool.block_size, engine.pool.num_blocks) == (8, 40)
+    engine = Engine(model, cache_config={"block_size": 4}, num_blocks=32)
+    assert (engine.pool.block_size, engine.pool.num_blocks) == (4, 32)

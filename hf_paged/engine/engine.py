@@ -52,7 +52,8 @@ class Engine:
             the prompts arriving; at least `max_batch_size`. Raise it where a forward over many tokens costs little
             more than over few (a GPU); lower it for shorter stalls.
         progress (`bool`, *optional*): tqdm bar in `generate`; by default only when stderr is a terminal.
-        **cache_config: pool options (`block_size`, `num_blocks`, `max_memory`, `prefix_caching`, ...).
+        **cache_config: pool options (`block_size`, `num_blocks`, `max_memory`, `prefix_caching`, ...), or
+            `cache_config=` a dict or `PagedCacheConfig` of them, as `generate` takes it.
 
     Example:
 
@@ -106,6 +107,9 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.progress = progress
+        nested = cache_config.pop("cache_config", None)  # generate's spelling
+        if nested is not None:
+            cache_config = {**PagedCacheConfig.from_dict(nested).options(), **cache_config}
         self.cache_config = PagedCacheConfig.from_dict(cache_config)
         self.planner = ForwardPlanner.for_model(model, self.cache_config)
         self.pool = self.planner.pool
