@@ -15,7 +15,7 @@ import torch
 
 from .batch import ForwardInputs
 from .config import ATTENTION_NAME, PagedCacheConfig
-from .support import cache_dropped_by_checkpointing
+from .support import check_cache_kept
 
 logger = logging.getLogger(__name__)
 
@@ -102,9 +102,7 @@ def _before_forward(module: torch.nn.Module, args: tuple, kwargs: dict):
     if not isinstance(cache, ForwardBoundCache):
         bind_paged_cache(module, None)
         return None
-    dropped = cache_dropped_by_checkpointing(module)
-    if dropped is not None:
-        raise ValueError(dropped)
+    check_cache_kept(module)
     reads_tables = module.config._attn_implementation == ATTENTION_NAME
     input_ids = kwargs.get("input_ids")
     if input_ids is None and args and isinstance(args[0], torch.Tensor):

@@ -37,7 +37,7 @@ from .forward import (
     inputs_beyond_token_ids,
     paged_attention_for,
 )
-from .support import cache_dropped_by_checkpointing, check_supported, prompt_learning_method
+from .support import cache_dropped_by_checkpointing, check_cache_kept, check_supported, prompt_learning_method
 
 logger = logging.getLogger(__name__)
 
@@ -214,9 +214,7 @@ def _generate_on_user_cache(model, cache: PagedCache, inputs, generation_config,
     """Stock `generate` continuing from the caller's `PagedCache`. A call that fails on a cache that held nothing
     leaves it empty again (its blocks back in the pool)."""
     attach_to_model(model)
-    dropped = cache_dropped_by_checkpointing(model)
-    if dropped is not None:
-        raise ValueError(dropped)
+    check_cache_kept(model)
     if not getattr(generation_config, "is_assistant", False):
         _check_prompt(model, input_ids)
     was_empty = not cache.is_released and cache.batch_size == 0

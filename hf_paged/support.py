@@ -112,3 +112,10 @@ def prompt_learning_method(model: torch.nn.Module) -> str | None:
             peft_type = config.peft_type
             return str(getattr(peft_type, "value", peft_type))
     return None
+
+
+def check_cache_kept(model: torch.nn.Module) -> None:
+    """Raise `ValueError` (`cache_dropped_by_checkpointing`'s reason) when `model`'s forward would drop the cache."""
+    dropped = cache_dropped_by_checkpointing(model)
+    if dropped is not None:
+        raise ValueError(dropped)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..pool import PoolStats
-from .engine import Engine, Prompt, outputs_until_finished
+from .engine import Engine, Prompt
 from .params import SamplingParams
 from .request import RequestOutput
 from .stats import EngineStats
@@ -392,7 +392,7 @@ class DistributedEngine:
     def _until_done(self, ids: list[str]) -> Iterator[RequestOutput]:
         pending = set(ids)
         try:
-            yield from outputs_until_finished(self.step, pending)
+            yield from _outputs_until_finished(self.step, pending)
         finally:
             if self.failed is None and not self._closed:
                 for request_id in pending:
@@ -428,3 +428,16 @@ def _prompt_list(prompts) -> list:
 
 
 __all__ = ["DistributedEngine", "LockstepError", "RankFailedError", "RankState", "init_distributed"]
+
+
+def _outputs_until_finished(step, pending: set[str]) -> Iterator[RequestOutput]:
+    """The outputs of the `pending` requests as `step()` produces them, until every one has finished; `pending` is
+    left holding the ids not finished yet (for the caller to abort when the iterator is closed early). Other
+    requests' outputs are dropped: a `DistributedEngine` call steps for its own requests only (rank 0's `step()`
+    outputs are compared across ranks, so they are not routed to other calls as `Engine` does)."""
+    while pending:
+        for output in step():
+            if output.request_id in pending:
+                if output.finished:
+                    pending.discard(output.request_id)
+                yield output

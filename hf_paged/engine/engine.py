@@ -18,7 +18,7 @@ from ..batch_cache import BatchCache
 from ..config import ATTENTION_NAME, PagedCacheConfig
 from ..forward import EAGER, attention_implementation, own_attention, paged_attention_for
 from ..planner import ForwardPlanner
-from ..support import cache_dropped_by_checkpointing, prompt_learning_method
+from ..support import check_cache_kept, prompt_learning_method
 from .params import SamplingParams
 from .request import Request, RequestOutput, RequestStatus
 from .sampler import next_tokens, token_logprobs
@@ -246,9 +246,7 @@ class Engine:
         requests are reported once and forgotten. The outputs of requests a `generate` or `stream` call is
         collecting go to that call, whoever steps; final outputs of other requests that such a call's steps
         produced are reported by the next `step()`."""
-        dropped = cache_dropped_by_checkpointing(self.model)
-        if dropped is not None:  # refused before anything changes: the requests wait for the model to be fixed
-            raise ValueError(dropped)
+        check_cache_kept(self.model)  # refused before anything changes: the requests wait for the model to be fixed
         with self._lock:
             self.pool.follow_model_dtype(self.model)  # `model.to(dtype)` while nothing runs
             changed = [r for r in self._requests.values() if r.finished]  # max_new_tokens=0, or failed earlier
@@ -589,20 +587,6 @@ class Engine:
 def out_of_vocabulary(token_ids, vocab_size: int) -> list:
     """The entries of `token_ids` that are no token id of a `vocab_size` vocabulary (not an int, or out of range)."""
     return [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
-
-
-def outputs_until_finished(step, pending: set[str], hold=None) -> Iterator[RequestOutput]:
-    """The outputs of the `pending` requests as `step()` produces them, until every one has finished; `pending` is
-    left holding the ids not finished yet (for the caller to abort when the iterator is closed early). Other
-    requests' final outputs go to `hold` (when given), for their own caller."""
-    while pending:
-        for output in step():
-            if output.request_id in pending:
-                if output.finished:
-                    pending.discard(output.request_id)
-                yield output
-            elif output.finished and hold is not None:
-                hold(output)
 
 
 def _pad_token_id(model, tokenizer) -> int:
