@@ -738,7 +738,7 @@ def test_streams_consumed_in_turn_by_one_thread_each_get_every_piece(model, work
     (between,) = engine.generate(prompts[5:6], max_new_tokens=4, min_new_tokens=4)
     streamed += [token for output in paused for token in output.new_token_ids]
     assert streamed == expected[4][:6] and between.token_ids == expected[5][:4]
-    assert not engine.has_unfinished_requests() and not engine._collectors
+    assert not engine.has_unfinished_requests() and not engine._router._collectors
 
 
 def test_greedy_requests_ignore_the_sampling_warpers_as_generate_does(model, workload):

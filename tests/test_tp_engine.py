@@ -9,6 +9,7 @@ records are gathered and compared here, and rank 0's greedy outputs are compared
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 import time
 import warnings
@@ -89,6 +90,7 @@ def rank_work(rank: int, folder: str) -> list[dict]:
         next(abandoned)
         abandoned.close()  # aborts the request; the followers replay the abort with the next step
         assert distributed.step()[0].finish_reason == "abort"
+        result["interleaved"] = interleaved_streams(distributed)
         result["rank_states"] = distributed.rank_states  # as of that step
         distributed.close()
     else:
@@ -99,6 +101,22 @@ def rank_work(rank: int, folder: str) -> list[dict]:
     gathered: list = [None] * WORLD_SIZE
     dist.all_gather_object(gathered, result)
     return gathered
+
+
+INTERLEAVED = ([[5, 6, 7], [11, 12, 13, 14]], 3), ([[20, 21], [30, 31, 32]], 6)  # (prompts, max_new_tokens)
+
+
+def interleaved_streams(engine) -> tuple[dict, dict]:
+    """`(pieces, finals)` by request id of two streams read in turn by one thread (`zip_longest`)."""
+    streams = [engine.stream(prompts, max_new_tokens=new) for prompts, new in INTERLEAVED]
+    pieces: dict[str, list[int]] = {}
+    finals: dict[str, list[int]] = {}
+    for pair in itertools.zip_longest(*streams):
+        for output in filter(None, pair):
+            pieces.setdefault(output.request_id, []).extend(output.new_token_ids)
+            if output.finished:
+                finals[output.request_id] = output.token_ids
+    return pieces, finals
 
 
 # ---------------------------------------------------------------------------------------------- in the test process
@@ -128,6 +146,17 @@ def test_greedy_outputs_match_the_single_process_engine(job):
         assert output.finish_reason == reference.finish_reason
     lengths = {len(o.token_ids) for o in ranks[0]["outputs"]}
     assert 0 in lengths and len(lengths) > 5  # a mixed batch, max_new_tokens=0 included
+
+
+def test_two_streams_read_in_turn_each_get_every_piece(job):
+    """Rank 0 routes each step's outputs to the stream whose requests they are, whoever stepped (each stream used to
+    drop the other's pieces, and could wait forever for a final output the other had dropped)."""
+    folder, ranks, _ = job
+    pieces, finals = ranks[0]["interleaved"]
+    assert len(finals) == 4 and all(pieces[i] == finals[i] for i in finals)
+    engine = hf_paged.Engine(load(folder, tp=False), progress=False, **ENGINE_OPTIONS)
+    expected = [o.token_ids for prompts, new in INTERLEAVED for o in engine.generate(prompts, max_new_tokens=new)]
+    assert sorted(finals.values()) == sorted(expected)
 
 
 def test_every_step_gives_the_same_tokens_and_allocator_stats_on_every_rank(job):

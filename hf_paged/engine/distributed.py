@@ -30,6 +30,7 @@ from ..pool import PoolStats
 from .engine import Engine, Prompt
 from .params import SamplingParams
 from .request import RequestOutput
+from .routing import OutputRouter
 from .stats import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -180,6 +181,7 @@ class DistributedEngine:
         self._last_message = time.monotonic()
         self._steps = 0
         self._closed = False
+        self._router = OutputRouter()  # rank 0: each generate/stream call's outputs go to it, whoever steps
 
     # ------------------------------------------------------------------ rank 0: the Engine's API
     def add_request(
@@ -210,10 +212,11 @@ class DistributedEngine:
         return output
 
     def step(self) -> list[RequestOutput]:
-        """Broadcast the pending calls, then run one step on every rank; this rank's (rank 0's) outputs."""
+        """Broadcast the pending calls, then run one step on every rank; this rank's (rank 0's) outputs, except
+        those a `generate` or `stream` call is collecting (they go to that call, as with `Engine.step`)."""
         self._check_driver("step")
         self._send("step")
-        return self._step()
+        return self._router.route(self._step())
 
     def keepalive(self) -> None:
         """Ping the followers if no message went to them for `heartbeat_s` seconds (call it while idle, at least
@@ -392,7 +395,7 @@ class DistributedEngine:
     def _until_done(self, ids: list[str]) -> Iterator[RequestOutput]:
         pending = set(ids)
         try:
-            yield from _outputs_until_finished(self.step, pending)
+            yield from self._router.collect(self.step, pending)
         finally:
             if self.failed is None and not self._closed:
                 for request_id in pending:
@@ -428,16 +431,3 @@ def _prompt_list(prompts) -> list:
 
 
 __all__ = ["DistributedEngine", "LockstepError", "RankFailedError", "RankState", "init_distributed"]
-
-
-def _outputs_until_finished(step, pending: set[str]) -> Iterator[RequestOutput]:
-    """The outputs of the `pending` requests as `step()` produces them, until every one has finished; `pending` is
-    left holding the ids not finished yet (for the caller to abort when the iterator is closed early). Other
-    requests' outputs are dropped: a `DistributedEngine` call steps for its own requests only (rank 0's `step()`
-    outputs are compared across ranks, so they are not routed to other calls as `Engine` does)."""
-    while pending:
-        for output in step():
-            if output.request_id in pending:
-                if output.finished:
-                    pending.discard(output.request_id)
-                yield output

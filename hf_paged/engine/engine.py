@@ -8,7 +8,6 @@ import operator
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
@@ -21,6 +20,7 @@ from ..planner import ForwardPlanner
 from ..support import check_cache_kept, prompt_learning_method
 from .params import SamplingParams
 from .request import Request, RequestOutput, RequestStatus
+from .routing import OutputRouter
 from .sampler import next_tokens, token_logprobs
 from .scheduler import Scheduler, Step
 from .stats import EngineStats, percentile
@@ -125,8 +125,7 @@ class Engine:
         self._lock = threading.RLock()
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self._held_outputs: list[RequestOutput] = []  # other callers' final outputs a generate/stream call stepped
-        self._collectors: dict[str, deque] = {}  # request id -> the outputs its generate/stream call has to take
+        self._router = OutputRouter()  # each generate/stream call's outputs go to it, whoever steps
         self.last_stats: EngineStats | None = None
         self.reset_stats()
 
@@ -261,18 +260,13 @@ class Engine:
             if step is not None:
                 changed += self._run(step)
             self._last_step_time = time.perf_counter()
-            outputs, self._held_outputs = self._held_outputs, []
+            outputs = []
             for request in dict.fromkeys(changed):
-                output = request.output()
+                outputs.append(request.output())
                 if request.finished:
                     self._account_finished(request)
                     self._requests.pop(request.request_id, None)
-                collector = self._collectors.get(request.request_id)
-                if collector is None:
-                    outputs.append(output)
-                else:  # a generate or stream call's request: its call takes it (not necessarily this caller)
-                    collector.append(output)
-            return outputs
+            return self._router.route(outputs)
 
     def _run(self, step: Step) -> list[Request]:
         """Run `step`; returns the requests that got a token (a prompt chunk short of the end gets none)."""
@@ -448,31 +442,8 @@ class Engine:
         return results
 
     def _collect(self, pending: set[str]) -> Iterator[RequestOutput]:
-        """The outputs of this call's requests `pending`, in order, until every one has finished (`pending` is left
-        holding the unfinished ones). Steps run only when none is waiting: another call (an interleaved stream, a
-        `generate` in between) may have stepped and left them here. Final outputs of requests no call collects
-        are kept for the next `step()`."""
-        collected: deque[RequestOutput] = deque()
-        ids = list(pending)
-        with self._lock:
-            for request_id in ids:
-                self._collectors[request_id] = collected
-        try:
-            while pending:
-                if not collected:
-                    others = [output for output in self.step() if output.finished]
-                    with self._lock:
-                        self._held_outputs.extend(others)
-                while collected:
-                    output = collected.popleft()
-                    if output.finished:
-                        pending.discard(output.request_id)
-                    yield output
-        finally:
-            with self._lock:
-                for request_id in ids:
-                    if self._collectors.get(request_id) is collected:
-                        del self._collectors[request_id]
+        """This call's outputs until its requests `pending` finish (`OutputRouter.collect`)."""
+        return self._router.collect(self.step, pending)
 
     # ------------------------------------------------------------------ stats and shutdown
     def reset_stats(self) -> None:
