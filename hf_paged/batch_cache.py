@@ -135,8 +135,12 @@ class BatchCache(Cache, ForwardBoundCache):
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.layers[layer_idx].get_mask_sizes(query_length)
 
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return -1
+    def __iter__(self):
+        """Per layer, as `DynamicCache` yields: `(keys, values, window)`, the dense views of `layers[i]` and a sliding
+        layer's window as a tensor (`None` for a full layer)."""
+        for layer in self.layers:
+            window = None if layer.sliding_window is None else torch.tensor(layer.sliding_window, dtype=torch.long)
+            yield layer.keys, layer.values, window
 
     @property
     def is_compileable(self) -> bool:

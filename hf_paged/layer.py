@@ -69,7 +69,8 @@ class PagedLayer(CacheLayerMixin):
         return self._cache.get_seq_length()
 
     def get_max_length(self) -> int:
-        return -1
+        """The sliding window of a sliding layer (as `DynamicSlidingWindowLayer`), else -1 (no maximum)."""
+        return -1 if self.sliding_window is None else self.sliding_window
 
     def reset(self) -> None:  # token bookkeeping is cache-wide; see PagedCache.reset
         pass

@@ -332,6 +332,13 @@ def test_layer_keys_and_values_equal_the_dynamic_cache_tensors(family):
         assert keys.where(~stored, 0).eq(0).all() and values.where(~stored, 0).eq(0).all()
     with pytest.raises(AttributeError, match="read-only view"):
         paged.past_key_values.layers[0].keys = torch.zeros(1)
+    for (stock_keys, _, stock_window), (keys, _, window) in zip(reference.past_key_values, paged.past_key_values):
+        assert keys.shape == stock_keys.shape and (window is None) == (stock_window is None)
+        assert window is None or torch.equal(window, stock_window)
+    assert len(list(paged.past_key_values)) == len(reference.past_key_values.layers)
+    stock_lengths = [reference.past_key_values.get_max_length(i) for i in range(len(reference.past_key_values))]
+    assert [paged.past_key_values.get_max_length(i) for i in range(len(paged.past_key_values))] == stock_lengths
+    assert paged.past_key_values.get_max_length() == reference.past_key_values.get_max_length()
     paged.past_key_values.release()
 
 
