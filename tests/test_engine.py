@@ -773,6 +773,29 @@ def test_a_tokenizers_output_is_taken_as_its_prompts(smollm2):
     engine.close()
 
 
+def test_a_padded_tensor_of_prompts_loses_its_pads_as_generate_masks_them(model, workload):
+    """Without an attention mask, `generate` masks a 2-D tensor's pad tokens (unless the pad is also an
+    end-of-sequence token); so does `Engine.generate` (it took every column as a prompt token)."""
+    prompts, _, _ = workload
+    short, long = prompts[0][:3], prompts[1][:7]
+    padded = torch.tensor([[0] * 4 + short, long])
+    assert model.generation_config.pad_token_id == 0 and 0 not in short + long
+    stock = model.generate(padded, max_new_tokens=5, min_new_tokens=5, do_sample=False)[:, padded.shape[1] :]
+    engine = Engine(model, block_size=4, num_blocks=64)
+    outputs = engine.generate(padded, max_new_tokens=5, min_new_tokens=5)
+    assert [o.prompt_token_ids for o in outputs] == [short, long]
+    assert [o.token_ids for o in outputs] == stock.tolist()
+    assert [o.token_ids for o in outputs] == [
+        alone(model, p, 5, min_new_tokens=5, do_sample=False) for p in (short, long)
+    ]
+    # the pad is an end-of-sequence token: generate cannot tell pads apart and keeps them; so does the Engine
+    options = {"max_new_tokens": 3, "min_new_tokens": 3, "eos_token_id": [0, 2]}
+    (kept,) = engine.generate(padded[:1], **options)
+    assert kept.prompt_token_ids == padded[0].tolist()
+    assert kept.token_ids == model.generate(padded[:1], do_sample=False, **options)[0, padded.shape[1] :].tolist()
+    engine.close()
+
+
 def test_an_engine_takes_cache_config_as_generate_does(model):
     engine = Engine(model, cache_config=hf_paged.PagedCacheConfig(block_size=8, num_blocks=40))
     assert (engine.pool.block_size, engine.pool.num_blocks) == (8, 40)

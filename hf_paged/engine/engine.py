@@ -378,7 +378,7 @@ class Engine:
         """Run every prompt to completion; outputs in input order (token ids, text with a tokenizer, finish
         reason). `generation_config` may be one config for all prompts or one per prompt; `options` apply to all.
         A request that can never fit in the pool finishes alone with `finish_reason="error"`."""
-        prompts = _as_prompt_list(prompts)
+        prompts = _as_prompt_list(prompts, self._masked_pad(generation_config, options))
         configs = _per_prompt(generation_config, len(prompts))
         self.reset_stats()
         ids = self._add_all(prompts, configs, options)
@@ -398,13 +398,26 @@ class Engine:
     ) -> Iterator[RequestOutput]:
         """Like `generate`, but yields each request's incremental output (`new_token_ids`, `new_text`) as steps
         produce it. Closing the iterator early aborts the requests not yet finished."""
-        prompts = _as_prompt_list(prompts)
+        prompts = _as_prompt_list(prompts, self._masked_pad(generation_config, options))
         configs = _per_prompt(generation_config, len(prompts))
         pending = set(self._add_all(prompts, configs, options))
         try:
             yield from self._collect(pending)
         finally:
             self._forget(pending)  # the caller stopped listening: nobody needs their final report
+
+    def _masked_pad(self, generation_config, options: dict) -> int | None:
+        """The pad token `generate` masks in a tensor of token ids given without an attention mask: the config's
+        `pad_token_id`, unless it is also an end-of-sequence token (then `generate` cannot tell pads apart)."""
+        config = generation_config if isinstance(generation_config, GenerationConfig) else self.model.generation_config
+        pad = config.pad_token_id
+        eos = options.get("eos_token_id")
+        if eos is None:
+            eos = getattr(generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = config.eos_token_id
+        eos = [] if eos is None else [eos] if _is_token(eos) else list(eos)
+        return None if pad is None or pad in eos else pad
 
     def _add_all(self, prompts: list, configs: list, options: dict) -> list[str]:
         """Queue every prompt, or none: a bad prompt or option leaves nothing of the call queued."""
@@ -572,15 +585,21 @@ def _fields(params: SamplingParams) -> dict:
     return {name: getattr(params, name) for name in params.__dataclass_fields__}
 
 
-def _as_prompt_list(prompts) -> list:
+def _as_prompt_list(prompts, masked_pad: int | None = None) -> list:
     """One prompt (a string, token ids, a 1-D tensor or array) or several (a list of them, a 2-D tensor or array,
-    a tokenizer's output) as a list of prompts."""
+    a tokenizer's output) as a list of prompts. A 2-D tensor or array holding `masked_pad` loses those positions,
+    as `generate` masks them when it is given no attention mask."""
     if isinstance(prompts, Mapping):
         return _encoded_prompts(prompts)
     if hasattr(prompts, "ndim") and hasattr(prompts, "tolist"):  # a torch tensor or a numpy array
         if prompts.ndim not in (1, 2):
             raise ValueError(f"a tensor of prompts must be 1-D or 2-D, got shape {tuple(prompts.shape)}")
-        return prompts.tolist() if prompts.ndim == 2 else [prompts.tolist()]
+        if prompts.ndim == 1:
+            return [prompts.tolist()]
+        rows = prompts.tolist()
+        if masked_pad is not None and any(masked_pad in row for row in rows):
+            rows = [[token for token in row if token != masked_pad] for row in rows]
+        return rows
     if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and _is_token(prompts[0])):
         return [prompts]
     if not isinstance(prompts, Sequence) or not prompts:
