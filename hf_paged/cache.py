@@ -101,6 +101,7 @@ class PagedCache(BatchCache):
         self._seq_length = 0
         self._pending: ForwardInputs | None = None  # a forward's inputs, when their shape was unknown to the hook
         self._batch_created_rows = False  # the current batch created the rows (its first forward)
+        self._in_forward = False  # a prepared forward has not returned or raised an Exception (yet)
         self._cow_copies = 0
         self._peak_blocks = 0
         self._prefix_reused = 0
@@ -177,6 +178,7 @@ class PagedCache(BatchCache):
         self._check_finished_forward()
         self._follow_inputs(inputs)
         self._batch, self._pending = None, None
+        self._in_forward = True
         if inputs.shape is None:
             self._pending = inputs  # planned at the first write, from the shape of the K/V
             return
@@ -192,7 +194,7 @@ class PagedCache(BatchCache):
             self._drop_batch()
             inputs = ForwardInputs(reads_tables=batch.reads_tables)
         else:  # a forward the pre-hook did not see (the inner model called directly, or a second forward)
-            self._settle()
+            self._settle(inside_forward=True)
             inputs = self._pending or ForwardInputs()
         self._batch, self._pending = self._plan(*shape, inputs, key_states.device), None
         return self._batch
@@ -473,10 +475,17 @@ class PagedCache(BatchCache):
         if not self._released:
             self._settle(failed=True)
 
-    def _settle(self, failed: bool = False) -> None:
+    def forward_finished(self) -> None:
+        self._in_forward = False
+
+    def _settle(self, failed: bool = False, inside_forward: bool = False) -> None:
         """Refuse a released cache, and drop what an interrupted forward left behind (every public entry point);
-        `failed`: the forward is known to have raised."""
+        `failed`: the forward is known to have raised. Outside a forward (`inside_forward` False), a forward that
+        never returned nor raised an `Exception` was left by a `BaseException` (`KeyboardInterrupt`): failed too."""
         self._check_open()
+        if not inside_forward:
+            failed = failed or self._in_forward
+            self._in_forward = False
         batch = self._batch
         if batch is None:
             return

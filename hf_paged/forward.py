@@ -38,7 +38,11 @@ class ForwardBoundCache:
         raise NotImplementedError
 
     def forward_failed(self) -> None:
-        """The forward prepared last raised (an `Exception`; the forward hook does not see other exits)."""
+        """The forward prepared last raised an `Exception`."""
+
+    def forward_finished(self) -> None:
+        """The forward prepared last returned. Neither this nor `forward_failed` is called when it is left by a
+        `BaseException` such as `KeyboardInterrupt` (torch runs no forward hook then)."""
 
 
 # ---------------------------------------------------------------------- the cache bound to the running forward
@@ -125,8 +129,12 @@ def _before_forward(module: torch.nn.Module, args: tuple, kwargs: dict):
 
 def _after_forward(module: torch.nn.Module, args: tuple, output) -> None:
     prepared = unbind_paged_cache(module)
-    if output is None and prepared is not None:  # torch calls an always-called hook with no output on an exception
+    if prepared is None:
+        return
+    if output is None:  # torch calls an always-called hook with no output on an exception
         prepared.forward_failed()
+    else:
+        prepared.forward_finished()
 
 
 # ---------------------------------------------------------------------- attention switch

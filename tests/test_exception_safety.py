@@ -89,10 +89,15 @@ def test_exception_inside_the_model_returns_every_block(model, mode, at_call, wh
     assert_next_call_is_exact(model, mode)
 
 
+@pytest.mark.parametrize("at_call", [1, 5], ids=["prefill", "decode step 4"])
 @pytest.mark.parametrize("where", WHERE)
-def test_keyboard_interrupt_mid_forward_returns_every_block(model, where):
+def test_keyboard_interrupt_mid_forward_returns_every_block(model, where, at_call):
+    """torch runs no forward hook when a `KeyboardInterrupt` leaves the forward; the cache still drops the
+    unfinished forward (an interrupted prefill's blocks, holding the first layer's K/V only, were indexed in the
+    prefix cache and served to the next call)."""
+    get_pool(model).clear_prefix_cache()  # the prompts' blocks are computed by the interrupted call
     with pytest.raises(KeyboardInterrupt):
-        with raising(model, where, 5, KeyboardInterrupt()):
+        with raising(model, where, at_call, KeyboardInterrupt()):
             generate(model, "beams", cache_implementation="paged")
     assert_pool_whole(model)
     assert_next_call_is_exact(model, "beams")
@@ -125,6 +130,20 @@ def test_exception_on_a_callers_empty_cache_leaves_it_empty(model, where):
     assert cache.batch_size == 0 and cache.get_seq_length() == 0
     assert_pool_whole(model)
     assert torch.equal(generate(model, past_key_values=cache), generate(model))  # the same cache, afterwards
+    cache.release()
+    assert_pool_whole(model)
+
+
+def test_keyboard_interrupt_in_the_prefill_of_a_callers_cache_leaves_it_empty(model):
+    seed = 50  # prompts no other test computed
+    get_pool(model).clear_prefix_cache()
+    cache = PagedCache(model)
+    with pytest.raises(KeyboardInterrupt):
+        with raising(model, "after layer 0", 1, KeyboardInterrupt()):
+            generate(model, seed=seed, past_key_values=cache)
+    assert cache.batch_size == 0 and cache.get_seq_length() == 0
+    assert_pool_whole(model)
+    assert torch.equal(generate(model, seed=seed, past_key_values=cache), generate(model, seed=seed))
     cache.release()
     assert_pool_whole(model)
 
