@@ -105,6 +105,7 @@ def paged_attention_forward(
         paged_cache = bound_paged_cache()
     if paged_cache is not None and paged_cache.reads_tables_in_attention():
         layer_idx = getattr(module, "layer_idx", None)
+        paged_cache.check_attention_inputs(layer_idx, key, value)
         packed = paged_cache.packed_rows()
         if paged_cache.eager_math:
             kwargs["eager"] = True

@@ -62,6 +62,7 @@ class BatchCache(Cache, ForwardBoundCache):
         self.pool: BlockPool = planner.pool
         self._model_ref = weakref.ref(model)
         self._model_name = type(model).__name__
+        self._last_update: tuple | None = None  # (layer, keys, values) the last update returned to the attention
         self._batch: ForwardBatch | None = None
         self._layers_per_forward = 0  # most layers seen writing in one forward
         self.eager_math = False
@@ -199,6 +200,7 @@ class BatchCache(Cache, ForwardBoundCache):
             # every layer wrote: the full blocks can be found by others (deduplicated at the next planning)
             self.pool.index_full_blocks(batch.rows, self.planner.roots, share=False)
         if batch.reads_tables:
+            self._last_update = (layer_idx, key_states, value_states)
             return key_states, value_states
         return batch.read(storage, layer_idx, new=(key_states, value_states))
 
@@ -218,6 +220,27 @@ class BatchCache(Cache, ForwardBoundCache):
             raise RuntimeError("read_layer called before any update in this forward")
         layer_idx = batch.last_layer if layer_idx is None else layer_idx
         return batch.read(self.pool.storage, layer_idx, rows, start, stop, new)
+
+    def check_attention_inputs(self, layer_idx: int | None, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Refuse (`NotImplementedError`) an attention handed other K/V than its layer's update returned: the model
+        transformed them after the update (split, repeated, widened), which the K/V it reads through the block
+        tables would not have been. The usual case (the same tensors) costs two identity checks."""
+        last = self._last_update
+        if last is None or (layer_idx is not None and last[0] != layer_idx):
+            return
+        updated_keys, updated_values = last[1], last[2]
+        if _same_tensor(key, updated_keys) and _same_tensor(value, updated_values):
+            return
+        raise NotImplementedError(
+            f"{self._model_name}: layer {last[0]}'s attention got other K/V than its cache update returned (keys "
+            f"{tuple(key.shape)} for {tuple(updated_keys.shape)}, values {tuple(value.shape)} for "
+            f"{tuple(updated_values.shape)}): the model transforms its K/V after the update, which the 'hf_paged' "
+            "attention cannot apply to the cached tokens it reads through the block tables. Generate with "
+            "cache_config={'attn_implementation': 'sdpa'} (or 'eager') to read dense K/V instead."
+        )
+
+    def forward_finished(self) -> None:
+        self._last_update = None
 
     def key_groups(self):
         """How the running right-aligned forward's rows split to read their keys (`ForwardBatch.key_groups`), or
@@ -289,3 +312,10 @@ class BatchCache(Cache, ForwardBoundCache):
                 f"this {type(self).__name__} was built for a {self._model_name} (id {id(owner):#x}) and cannot be "
                 f"used with a {type(model).__name__} (id {id(model):#x}); build one per model"
             )
+
+
+def _same_tensor(given: torch.Tensor, returned: torch.Tensor) -> bool:
+    """Whether `given` is `returned`, or holds the same values (a copy, another layout)."""
+    if given is returned:
+        return True
+    return given.shape == returned.shape and torch.equal(given, returned.to(given.dtype))

@@ -476,6 +476,7 @@ class PagedCache(BatchCache):
             self._settle(failed=True)
 
     def forward_finished(self) -> None:
+        super().forward_finished()
         self._in_forward = False
 
     def _settle(self, failed: bool = False, inside_forward: bool = False) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from .batch import ForwardInputs
 from .config import ATTENTION_NAME, PagedCacheConfig
-from .support import check_cache_kept
+from .support import check_cache_kept, kv_transformed_after_update
 
 logger = logging.getLogger(__name__)
 
@@ -181,13 +181,21 @@ def paged_attention_for(
     """The attention implementation a paged call runs on: `cache_config`'s `attn_implementation` when given; else
     the model's own implementation when the call asks for attention weights or the model is set to eager attention
     and `keep_eager` (the caller's choice is kept, reading the paged cache as dense K/V, so `output_attentions`
-    gives exactly what stock gives), and `"hf_paged"` otherwise (the Engine, which never returns attention
+    gives exactly what stock gives), or when its attention transforms the K/V after the cache update
+    (`support.kv_transformed_after_update`), and `"hf_paged"` otherwise (the Engine, which never returns attention
     weights, passes `keep_eager=False` and has the `"hf_paged"` attention compute eager models in eager math). A
     model that hard-codes its attention classes (it does not dispatch through transformers' `AttentionInterface`,
     e.g. Falcon) cannot be switched: it keeps its own attention, which reads the paged cache as dense K/V; asking it
     for another implementation is refused."""
     own = own_attention(model)
-    keeps_own = output_attentions or (own == EAGER and keep_eager)
+    transformed = kv_transformed_after_update(model)
+    if transformed is not None and config.attn_implementation == ATTENTION_NAME:
+        raise NotImplementedError(
+            f"{type(model).__name__}'s attention {transformed} after the cache update, so it must read the cached "
+            f"K/V as dense tensors: the {ATTENTION_NAME!r} attention reads them untransformed through the block "
+            "tables. Leave attn_implementation unset (the model's own attention then reads the paged cache)."
+        )
+    keeps_own = output_attentions or (own == EAGER and keep_eager) or transformed is not None
     requested = config.attn_implementation or (own if keeps_own else config.resolved_attn_implementation)
     current = model.config._attn_implementation
     if requested == current or model._can_set_attn_implementation():

@@ -322,10 +322,6 @@ def _prepare_paged_cache(self, generation_config, model_kwargs, generation_mode,
         )
     if model_kwargs.get("past_key_values") is not None:
         raise ValueError("Passing both `cache_implementation='paged'` and `past_key_values` is unsupported.")
-    if not self._supports_default_dynamic_cache():
-        raise NotImplementedError(
-            f"{type(self).__name__} keeps a recurrent state, not a KV cache; paged generation does not apply to it"
-        )
     _check_prefill_chunks(generation_config, model_kwargs.get("attention_mask"))
     request.cache = PagedCache(self, **request.config.options())
     if model_kwargs.get("inputs_embeds") is None and generation_mode in _MODES_THAT_SLICE_A_STARTED_CACHE:

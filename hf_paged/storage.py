@@ -70,6 +70,12 @@ class KVStorage:
         in float32 (after RoPE) and its values in bfloat16; both are then stored in float32 without loss."""
         dtype = like.dtype if values_like is None else torch.promote_types(like.dtype, values_like.dtype)
         num_heads, head_dim = like.shape[-2], like.shape[-1]
+        if values_like is not None and values_like.shape[-2:] != like.shape[-2:]:
+            raise NotImplementedError(
+                f"layer {layer_idx} produced keys of {num_heads} heads x {head_dim} dims and values of "
+                f"{values_like.shape[-2]} x {values_like.shape[-1]}: the pool stores a layer's keys and values in "
+                "blocks of one shape"
+            )
         lane = self.lane_of(layer_idx)
         existing = self.keys.get(lane)
         if existing is None:
@@ -82,6 +88,12 @@ class KVStorage:
                         self.keys[lane] = torch.empty(shape, dtype=dtype, device=like.device)
                         self.values[lane] = torch.empty(shape, dtype=dtype, device=like.device)
             return
+        if existing.shape[2:] != (num_heads, head_dim) and lane != layer_idx:
+            raise NotImplementedError(
+                f"layer {layer_idx} produced K/V of {num_heads} heads x {head_dim} dims, but lane {lane}, which it "
+                f"shares with a layer of another layer group, holds {existing.shape[2]} x {existing.shape[3]}: the "
+                "pool needs the layers of every layer group (full and sliding attention) to have K/V of one shape"
+            )
         if existing.shape[2:] != (num_heads, head_dim) or existing.device != like.device:
             raise self._mismatch(layer_idx, existing, like)
         for produced in (like, values_like):

@@ -5,6 +5,13 @@ from __future__ import annotations
 import torch
 
 ATTENTION_LAYER_KINDS = ("full_attention", "sliding_attention")
+# model types whose attention transforms the K/V the cache update returns before attending (stock then transforms
+# every cached position; the "hf_paged" attention, handed only the new tokens, would attend to untransformed K/V)
+KV_TRANSFORMED_AFTER_UPDATE = {
+    "diffllama": "splits and repeats the values for its two softmax maps",
+    "doge": "computes its dynamic attention mask from the values",
+    "jetmoe": "repeats the K/V once per active attention expert",
+}
 
 
 def layer_kinds(text_config) -> list[str]:
@@ -74,6 +81,37 @@ def check_supported(model: torch.nn.Module) -> None:
         raise NotImplementedError(
             f"{name} shares K/V between layers (kv_sharing_modes); PagedCache stores each layer's own K/V"
         )
+    head_dim, v_head_dim = _global_value(text_config, "head_dim"), _global_value(text_config, "v_head_dim")
+    if v_head_dim is not None and head_dim is not None and v_head_dim != head_dim:
+        raise NotImplementedError(
+            f"{name} has values of v_head_dim={v_head_dim} dims and keys of head_dim={head_dim}; PagedCache stores "
+            "the keys and values of a layer in blocks of one shape"
+        )
+    # transformers' own judgement (`generate` builds no DynamicCache for models with a cache of their own); read
+    # defensively, as it is not a public API
+    supports_dynamic = getattr(type(model), "_supports_default_dynamic_cache", None)
+    if supports_dynamic is not None and not supports_dynamic():
+        raise NotImplementedError(
+            f"{name} keeps a cache of its own (transformers builds no DynamicCache for it); PagedCache does not "
+            "apply to it"
+        )
+
+
+def _global_value(config, name: str):
+    """`config.name`, or `None` when absent or set per layer (a heterogeneous config, e.g. Gemma 4's head
+    dimensions, raises on global access)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        return None
+
+
+def kv_transformed_after_update(model: torch.nn.Module) -> str | None:
+    """How `model`'s attention transforms the K/V its cache update returns before attending, or `None`: such a
+    model reads the paged cache as dense K/V through its own attention (the `"hf_paged"` attention reads the
+    stored, untransformed K/V)."""
+    text_config = model.config.get_text_config(decoder=True)
+    return KV_TRANSFORMED_AFTER_UPDATE.get(getattr(text_config, "model_type", None))
 
 
 def cache_dropped_by_checkpointing(model: torch.nn.Module) -> str | None:

@@ -220,6 +220,74 @@ def test_layers_that_do_not_pass_kwargs_to_their_attention_still_read_the_tables
     assert hf_paged.attention.bound_paged_cache() is None  # unbound once the forwards are over
 
 
+# ---------------------------------------------------------------------- attention that transforms K/V after the update
+TRANSFORMING = {  # model types whose attention changes the K/V the cache update returns before attending
+    "diffllama": ("DiffLlamaConfig", "DiffLlamaForCausalLM", {}),
+    "doge": ("DogeConfig", "DogeForCausalLM", {"keep_window_size": 2048}),
+    "jetmoe": (
+        "JetMoeConfig",
+        "JetMoeForCausalLM",
+        {"kv_channels": 16, "num_experts_per_tok": 2, "num_local_experts": 4},
+    ),
+}
+
+
+def transforming(model_type: str) -> torch.nn.Module:
+    config_name, model_name, options = TRANSFORMING[model_type]
+    return tiny(
+        config_name,
+        model_name,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        **options,
+    )
+
+
+@pytest.mark.parametrize("mode", ["greedy", "beams"])
+@pytest.mark.parametrize("model_type", TRANSFORMING)
+def test_attention_transforming_its_kv_reads_the_paged_cache_densely(model_type, mode):
+    """DiffLlama splits and repeats its values, Doge computes its mask from them, JetMoe repeats K/V per expert,
+    all after the cache update: they keep their own attention, which reads the paged cache as dense K/V (the
+    "hf_paged" attention, handed the new tokens only, gave other tokens with no error, or crashed)."""
+    model = transforming(model_type)
+    assert hf_paged.support.kv_transformed_after_update(model) is not None
+    check_mode(model, CACHE, mode)
+    prompts = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 9)]
+    engine = hf_paged.Engine(model, block_size=4, num_blocks=64)
+    outputs = engine.generate(prompts, max_new_tokens=6, min_new_tokens=6)
+    engine.close()
+    for prompt, output in zip(prompts, outputs):
+        stock = model.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        assert output.token_ids == stock[0, len(prompt) :].tolist()
+    with pytest.raises(NotImplementedError, match="after the cache update, so it must read the cached K/V as dense"):
+        model.generate(
+            input_ids=torch.tensor([prompts[0]]),
+            max_new_tokens=2,
+            cache_implementation="paged",
+            cache_config={**CACHE, "attn_implementation": "hf_paged"},
+        )
+    assert get_pool(model).stats().num_used == 0
+
+
+@pytest.mark.parametrize("model_type", ["diffllama", "jetmoe"])
+def test_kv_of_another_shape_than_stored_is_refused_mid_forward(model_type, monkeypatch):
+    """The safety net for a model not in the list: the "hf_paged" attention refuses K/V other than its layer's
+    update returned (DiffLlama's keep their shape, JetMoe's do not), instead of attending to untransformed K/V."""
+    monkeypatch.delitem(hf_paged.support.KV_TRANSFORMED_AFTER_UPDATE, model_type)
+    model = transforming(model_type)
+    with pytest.raises(NotImplementedError, match=r"layer 0's attention got other K/V than its cache update returned"):
+        model.generate(
+            input_ids=torch.randint(3, 128, (1, 6)), max_new_tokens=3, cache_implementation="paged", cache_config=CACHE
+        )
+    pool = get_pool(model)
+    pool.check_invariants()
+    assert pool.stats().num_used == 0
+
+
 # ---------------------------------------------------------------------- refused families
 def tiny(config_name: str, model_name: str, **options) -> torch.nn.Module:
     config = getattr(transformers, config_name)(
@@ -340,6 +408,62 @@ def test_multi_head_latent_attention_deepseek_v3_is_refused():
         topk_group=1,
     )
     assert_refused(model, r"DeepseekV3ForCausalLM uses multi-head latent attention \(kv_lora_rank=16\)")
+
+
+def test_minimax_with_only_full_attention_layers_is_refused_by_generate_and_the_engine():
+    """transformers builds no DynamicCache for MiniMax (a cache of its own); the Engine used to be built and fail
+    at its first step from inside the model."""
+    options = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+    options |= {"num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2}
+    model = tiny("MiniMaxConfig", "MiniMaxForCausalLM", layer_types=["full_attention"] * 2, **options)
+    refusal = r"MiniMaxForCausalLM keeps a cache of its own \(transformers builds no DynamicCache for it\)"
+    assert_refused(model, refusal)
+    with pytest.raises(NotImplementedError, match=refusal):
+        hf_paged.Engine(model)
+
+
+def test_values_wider_than_keys_are_refused():
+    model = tiny(
+        "MiMoV2FlashConfig",
+        "MiMoV2FlashForCausalLM",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        v_head_dim=24,
+        layer_types=["full_attention"] * 2,
+        mlp_layer_types=["dense", "dense"],
+    )
+    assert_refused(model, "MiMoV2FlashForCausalLM has values of v_head_dim=24 dims and keys of head_dim=16")
+
+
+def test_layer_groups_with_k_v_of_different_shapes_are_refused_at_the_first_write():
+    """MiMo-V2-Flash's sliding layers have twice the KV heads of its full layers; the layer groups share lanes, so
+    the first write of the second shape is refused clearly (it was a dtype/device message) and nothing is kept."""
+    model = tiny(
+        "MiMoV2FlashConfig",
+        "MiMoV2FlashForCausalLM",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        v_head_dim=16,
+        sliding_window=6,
+        layer_types=["full_attention", "sliding_attention"],
+        mlp_layer_types=["dense", "dense"],
+    )
+    refusal = r"layer 1 produced K/V of 4 heads x 16 dims, but lane 0, which it shares with a layer of another layer"
+    with pytest.raises(NotImplementedError, match=refusal):
+        model.generate(
+            input_ids=torch.randint(3, 128, (1, 6)), max_new_tokens=3, cache_implementation="paged", cache_config=CACHE
+        )
+    pool = get_pool(model)
+    pool.check_invariants()
+    assert pool.stats().num_used == 0
 
 
 def test_chunked_attention_llama4_is_refused():
