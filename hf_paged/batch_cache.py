@@ -149,9 +149,10 @@ class BatchCache(Cache, ForwardBoundCache):
 
     @property
     def is_initialized(self) -> bool:
-        """Whether the cache holds rows (a forward ran since it was built or reset), as a `DynamicCache` is
-        initialized by its first forward: models such as Molmo2 and HRM tell their first forward by it."""
-        return bool(self.rows)
+        """Whether the cache held K/V before the running forward (after it, once a forward has run), as a
+        `DynamicCache` is initialized by its first forward: models such as PaliGemma, Molmo2 and HRM tell their first
+        forward by it. Rows that hold no token yet (a prompt aligned before its first forward) do not count."""
+        return self.get_seq_length() > 0
 
     # ------------------------------------------------------------------ the running forward
     def run(self, batch: ForwardBatch) -> None:

@@ -241,6 +241,23 @@ def test_is_initialized_follows_a_dynamic_cache():
     paged.release()
 
 
+def test_is_initialized_is_false_in_the_first_forward_of_a_padded_batch():
+    """A left-padded batch's rows are aligned before its first forward; they hold no token yet, so the model sees
+    an uninitialized cache there, as with a `DynamicCache` (PaliGemma builds its first mask by it)."""
+    model = tiny_model("llama")
+    input_ids, attention_mask = left_padded_batch([3, 7])
+    seen = []
+    hook = model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["past_key_values"].is_initialized), with_kwargs=True
+    )
+    options = dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=3, do_sample=False)
+    model.generate(**options)
+    stock, seen[:] = list(seen), []
+    model.generate(**options, cache_implementation="paged", cache_config={"block_size": 4})
+    hook.remove()
+    assert seen == stock == [False, True, True]
+
+
 def test_cache_config_may_be_a_paged_cache_config():
     model = tiny_model("llama")
     prompt = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(2))

@@ -294,6 +294,65 @@ def test_an_image_prompt_continued_on_a_user_cache_indexes_no_block(vision_model
     cache.release()
 
 
+def test_paligemma_padded_image_prompts_keep_their_bidirectional_prefix():
+    """PaliGemma attends bidirectionally over image and prefix only in its first forward, which it tells by
+    `past_key_values.is_initialized`: a left-padded batch's cache holds rows (aligned before the first forward) but
+    no token, so it is not initialized yet (it was: the prefix became causal, other tokens with no error)."""
+    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
+
+    image_token = 200
+    config = PaliGemmaConfig(
+        vision_config={
+            "model_type": "siglip_vision_model",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 16,
+            "patch_size": 8,
+        },
+        text_config={
+            "model_type": "gemma",
+            "vocab_size": 256,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "pad_token_id": 0,
+            "initializer_range": 0.2,  # weights large enough for the prefix's attention to change tokens
+        },
+        image_token_index=image_token,
+        projection_dim=64,
+        hidden_size=64,
+        vocab_size=256,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = PaliGemmaForConditionalGeneration(config).eval()
+    generator = torch.Generator().manual_seed(0)
+    rows = [
+        [image_token] * 4 + [1] + torch.randint(10, 190, (n,), generator=generator).tolist() + [108] for n in (10, 4)
+    ]
+    width = max(map(len, rows))
+    input_ids = torch.tensor([[0] * (width - len(row)) + row for row in rows])
+    kwargs = dict(
+        input_ids=input_ids,
+        attention_mask=(torch.arange(width)[None] >= torch.tensor([width - len(r) for r in rows])[:, None]).long(),
+        token_type_ids=torch.zeros_like(input_ids),
+        pixel_values=torch.randn(2, 3, 16, 16, generator=generator),
+        max_new_tokens=6,
+        do_sample=False,
+    )
+    reference = seeded(model, **kwargs)
+    causal = seeded(model, **{k: v for k, v in kwargs.items() if k != "token_type_ids"})
+    assert not torch.equal(reference.sequences, causal.sequences)  # the bidirectional prefix changes the tokens
+    paged = seeded(model, **kwargs, cache_implementation="paged", cache_config=CACHE)
+    assert_same_scores(reference, paged)
+    paged.past_key_values.release()
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_inputs_embeds_prompts_run_exactly_like_stock(llama, mode):
     input_ids, attention_mask = left_padded_batch([6, 10], seed=9)
