@@ -251,6 +251,13 @@ class BatchCache(Cache, ForwardBoundCache):
     def reads_tables_in_attention(self) -> bool:
         return self._batch is not None and self._batch.reads_tables
 
+    def wrote_layer(self, layer_idx: int | None) -> bool:
+        """Whether layer `layer_idx` (`None`: any layer) wrote its K/V in the running forward."""
+        batch = self._batch
+        if batch is None:
+            return False
+        return batch.last_layer is not None if layer_idx is None else layer_idx in batch.layers_written
+
     def packed_rows(self):
         """The `PackedRows` of the running forward when its tokens are packed (no pad position), else `None`."""
         return None if self._batch is None else self._batch.packed

@@ -147,9 +147,10 @@ def attention_implementation(model: torch.nn.Module, implementation: str):
         entry = _switched.get(key)
         if entry is None:
             previous = model.config._attn_implementation
+            saved = _implementations(model.config)  # sub-models may differ (a Gemma2 text model on eager)
             if previous != implementation:
                 model.set_attn_implementation(implementation)
-            entry = _switched[key] = [0, previous]
+            entry = _switched[key] = [0, previous, saved]
         elif (current := model.config._attn_implementation) != implementation:
             raise RuntimeError(
                 f"{type(model).__name__} is running paged generation with attention {current!r} in another thread; "
@@ -163,8 +164,19 @@ def attention_implementation(model: torch.nn.Module, implementation: str):
             entry[0] -= 1
             if entry[0] == 0:
                 del _switched[key]
-                if model.config._attn_implementation != entry[1]:
-                    model.set_attn_implementation(entry[1])
+                if _implementations(model.config) != entry[2]:
+                    model.set_attn_implementation(entry[2])
+
+
+def _implementations(config) -> dict:
+    """The attention implementation of `config` and of each of its sub-configs, nested as
+    `PreTrainedModel.set_attn_implementation` takes them: `{"": own, sub-config name: {...}}`."""
+    tree = {"": config._attn_implementation}
+    for name in getattr(config, "sub_configs", {}):
+        sub_config = getattr(config, name, None)
+        if sub_config is not None:
+            tree[name] = _implementations(sub_config)
+    return tree
 
 
 def own_attention(model: torch.nn.Module) -> str:

@@ -76,6 +76,12 @@ def check_supported(model: torch.nn.Module) -> None:
             f"{name} uses multi-head latent attention (kv_lora_rank={text_config.kv_lora_rank}): its cache holds "
             "compressed latents expanded inside the attention, not per-head K/V; PagedCache does not serve it"
         )
+    cross = [i for i in _global_value(text_config, "cross_attention_layers") or () if i < text_config.num_hidden_layers]
+    if cross:
+        raise NotImplementedError(
+            f"{name} has cross-attention layers (layers {cross[:8]}) whose cache holds the K/V of the image "
+            "features, not of the text positions; PagedCache stores self-attention K/V"
+        )
     sharing = getattr(text_config, "kv_sharing_modes", None)
     if sharing is not None and any(mode == "reuse" for mode in sharing):
         raise NotImplementedError(

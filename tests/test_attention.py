@@ -75,3 +75,25 @@ def test_query_heads_must_be_a_multiple_of_kv_heads():
     query, key, value, mask = inputs(heads=5, kv_heads=2)
     with pytest.raises(ValueError, match="5 query heads are not a multiple of 2 KV heads"):
         paged_attention_forward(BareModule(), query, key, value, mask)
+
+
+def test_an_attention_whose_layer_wrote_nothing_attends_over_what_it_is_given(llama):
+    """Inside a paged forward, an attention that is not one of the cache's layers (a vision encoder's, dispatched
+    through the same switched implementation) attends over the K/V it is given; it used to read the block tables
+    and fail (`read_layer called before any update`)."""
+    checked = []
+
+    def encoder_attention(module, args):
+        query, key, value = torch.randn(3, 1, 2, 5, 8, generator=torch.Generator().manual_seed(len(checked))).unbind(0)
+        encoder = torch.nn.Module()
+        encoder.is_causal = False  # bidirectional, as a vision encoder
+        output, _ = paged_attention_forward(encoder.eval(), query, key, value, attention_mask=None)
+        expected = torch.nn.functional.scaled_dot_product_attention(query, key, value).transpose(1, 2)
+        checked.append(torch.allclose(output, expected, atol=1e-6))
+
+    hook = llama.model.layers[0].register_forward_pre_hook(encoder_attention)  # before any layer writes
+    try:
+        llama.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False, cache_implementation="paged")
+    finally:
+        hook.remove()
+    assert checked == [True] * 3

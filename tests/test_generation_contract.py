@@ -294,13 +294,14 @@ def test_an_image_prompt_continued_on_a_user_cache_indexes_no_block(vision_model
     cache.release()
 
 
-def test_paligemma_padded_image_prompts_keep_their_bidirectional_prefix():
-    """PaliGemma attends bidirectionally over image and prefix only in its first forward, which it tells by
-    `past_key_values.is_initialized`: a left-padded batch's cache holds rows (aligned before the first forward) but
-    no token, so it is not initialized yet (it was: the prefix became causal, other tokens with no error)."""
+PALIGEMMA_IMAGE_TOKEN = 200
+
+
+def tiny_paligemma(text_model_type: str = "gemma"):
+    """A random PaliGemma (`"gemma"`), or PaliGemma 2 (`"gemma2"`: its text model runs on eager attention), with a
+    1-layer SigLIP tower on 16x16 images (4 image tokens)."""
     from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
 
-    image_token = 200
     config = PaliGemmaConfig(
         vision_config={
             "model_type": "siglip_vision_model",
@@ -312,7 +313,7 @@ def test_paligemma_padded_image_prompts_keep_their_bidirectional_prefix():
             "patch_size": 8,
         },
         text_config={
-            "model_type": "gemma",
+            "model_type": text_model_type,
             "vocab_size": 256,
             "hidden_size": 64,
             "intermediate_size": 128,
@@ -323,14 +324,22 @@ def test_paligemma_padded_image_prompts_keep_their_bidirectional_prefix():
             "pad_token_id": 0,
             "initializer_range": 0.2,  # weights large enough for the prefix's attention to change tokens
         },
-        image_token_index=image_token,
+        image_token_index=PALIGEMMA_IMAGE_TOKEN,
         projection_dim=64,
         hidden_size=64,
         vocab_size=256,
         pad_token_id=0,
     )
     torch.manual_seed(0)
-    model = PaliGemmaForConditionalGeneration(config).eval()
+    return PaliGemmaForConditionalGeneration(config).eval()
+
+
+def test_paligemma_padded_image_prompts_keep_their_bidirectional_prefix():
+    """PaliGemma attends bidirectionally over image and prefix only in its first forward, which it tells by
+    `past_key_values.is_initialized`: a left-padded batch's cache holds rows (aligned before the first forward) but
+    no token, so it is not initialized yet (it was: the prefix became causal, other tokens with no error)."""
+    model = tiny_paligemma()
+    image_token = PALIGEMMA_IMAGE_TOKEN
     generator = torch.Generator().manual_seed(0)
     rows = [
         [image_token] * 4 + [1] + torch.randint(10, 190, (n,), generator=generator).tolist() + [108] for n in (10, 4)
@@ -350,6 +359,21 @@ def test_paligemma_padded_image_prompts_keep_their_bidirectional_prefix():
     assert not torch.equal(reference.sequences, causal.sequences)  # the bidirectional prefix changes the tokens
     paged = seeded(model, **kwargs, cache_implementation="paged", cache_config=CACHE)
     assert_same_scores(reference, paged)
+    paged.past_key_values.release()
+
+
+def test_a_model_whose_sub_models_run_other_attentions_gets_each_back():
+    """PaliGemma 2 runs its Gemma2 text model on eager attention and its vision tower on SDPA; a paged call switches
+    them all, then restores each one (restoring the top-level "sdpa" everywhere raised after generating)."""
+    model = tiny_paligemma("gemma2")
+    before = (model.config._attn_implementation, model.config.text_config._attn_implementation)
+    assert before == ("sdpa", "eager")
+    kwargs = dict(input_ids=torch.randint(3, 190, (1, 7), generator=torch.Generator().manual_seed(3)), max_new_tokens=4)
+    reference = seeded(model, **kwargs, do_sample=False)
+    paged = seeded(model, **kwargs, do_sample=False, cache_implementation="paged", cache_config=CACHE)
+    assert_same_scores(reference, paged)
+    assert (model.config._attn_implementation, model.config.text_config._attn_implementation) == before
+    assert model.model.language_model.layers[0].self_attn.config._attn_implementation == "eager"
     paged.past_key_values.release()
 
 

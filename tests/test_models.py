@@ -422,6 +422,21 @@ def test_minimax_with_only_full_attention_layers_is_refused_by_generate_and_the_
         hf_paged.Engine(model)
 
 
+def test_cross_attention_layers_mllama_are_refused():
+    """Mllama's cross-attention layers keep the image features' K/V in the cache (images crashed deep inside)."""
+    model = tiny(
+        "MllamaTextConfig",
+        "MllamaForCausalLM",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        cross_attention_layers=[1],
+    )
+    assert_refused(model, r"MllamaForCausalLM has cross-attention layers \(layers \[1\]\)")
+
+
 def test_values_wider_than_keys_are_refused():
     model = tiny(
         "MiMoV2FlashConfig",
