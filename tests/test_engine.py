@@ -507,6 +507,29 @@ def test_smollm2_stop_strings_and_streamed_text(smollm2):
     assert engine.pool.stats().num_used == 0
 
 
+def test_smollm2_stop_strings_follow_generate_across_the_prompt_and_refuse_special_tokens(smollm2):
+    """`generate`'s stop strings watch the whole sequence: one that begins in the prompt and ends in the first token
+    stops there (the Engine searched the output only and ran on). A stop string holding a special token's text
+    never matched the text, which skips special tokens: refused, naming the id to end on."""
+    model, tokenizer = smollm2
+    engine = Engine(model, tokenizer, block_size=16, num_blocks=64)
+    prompt = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    options = {"max_new_tokens": 10, "do_sample": False}
+    stock = model.generate(prompt, stop_strings=[" is Paris"], tokenizer=tokenizer, **options)[0, prompt.shape[1] :]
+    assert tokenizer.decode(stock) == " Paris"
+    [stopped] = engine.generate(prompt, stop=[" is Paris"], **options)
+    assert stopped.token_ids == stock.tolist() and stopped.finish_reason == "stop" and stopped.text == ""
+    [inside] = engine.generate(prompt, stop=["France"], **options)  # only in the prompt: no stop
+    assert inside.finish_reason == "length" and len(inside.token_ids) == 10
+    with pytest.raises(ValueError, match=r"stop string '<\|im_end\|>' holds the special token .* eos_token_id=2"):
+        engine.add_request(prompt[0], stop=["<|im_end|>"])
+    messages = [{"role": "user", "content": "Hi"}]
+    for call in (lambda: engine.add_request(messages), lambda: engine.generate([messages])):
+        with pytest.raises(ValueError, match="apply the chat template first"):
+            call()
+    assert not engine.has_unfinished_requests() and engine.pool.stats().num_used == 0
+
+
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_preemption_with_and_without_the_prefix_cache(model, prefix_caching):
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 8, 9, 10, 11, 12, 14, 15, 16]]

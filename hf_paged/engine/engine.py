@@ -157,8 +157,8 @@ class Engine:
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise ValueError(f"logprobs must be at most the vocabulary size {self.vocab_size}, got {params.logprobs}")
         prompt_ids = self._prompt_ids(prompt)
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop strings {list(params.stop)} need a tokenizer: Engine(model, tokenizer)")
+        if params.stop:
+            _check_stop_strings(params.stop, self.tokenizer)
         generator = None
         if params.do_sample:
             if params.seed is None:
@@ -171,7 +171,7 @@ class Engine:
                     request_id = f"req-{next(self._ids)}"
             elif request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            text = None if self.tokenizer is None else TextTracker(self.tokenizer, params.stop)
+            text = None if self.tokenizer is None else TextTracker(self.tokenizer, params.stop, prompt_ids)
             request = Request(request_id, prompt_ids, params, text, generator)
             self._requests[request_id] = request
             if params.max_new_tokens == 0:
@@ -553,6 +553,8 @@ class Engine:
                 )
             ids = prompt.reshape(-1).tolist()
         elif isinstance(prompt, Sequence):
+            if any(isinstance(t, Mapping) and "role" in t for t in prompt):
+                raise ValueError(f"got chat messages: {CHAT_TEMPLATE_HINT}")
             ids = [operator.index(t) if _is_token(t) else t for t in prompt]  # numpy integers are token ids too
         else:
             raise ValueError(f"a prompt must be a string or a sequence of token ids, got {type(prompt).__name__}")
@@ -585,6 +587,29 @@ def _fields(params: SamplingParams) -> dict:
     return {name: getattr(params, name) for name in params.__dataclass_fields__}
 
 
+CHAT_TEMPLATE_HINT = (
+    "apply the chat template first, e.g. tokenizer.apply_chat_template(messages, add_generation_prompt=True)"
+)
+
+
+def _check_stop_strings(stop: tuple[str, ...], tokenizer) -> None:
+    """Refuse stop strings without a tokenizer, and those holding a special token's text: the text they are
+    searched in skips special tokens (end on such a token with `eos_token_id` instead)."""
+    if tokenizer is None:
+        raise ValueError(f"stop strings {list(stop)} need a tokenizer: Engine(model, tokenizer)")
+    specials = set(getattr(tokenizer, "all_special_tokens", ()))
+    specials |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+    for text in stop:
+        for special in sorted(specials):
+            if special and special in text:
+                token_id = tokenizer.convert_tokens_to_ids(special)
+                raise ValueError(
+                    f"stop string {text!r} holds the special token {special!r} (id {token_id}), which the text stop "
+                    f"strings are searched in never shows (special tokens are skipped); end on it with "
+                    f"eos_token_id={token_id} instead"
+                )
+
+
 def _as_prompt_list(prompts, masked_pad: int | None = None) -> list:
     """One prompt (a string, token ids, a 1-D tensor or array) or several (a list of them, a 2-D tensor or array,
     a tokenizer's output) as a list of prompts. A 2-D tensor or array holding `masked_pad` loses those positions,
@@ -614,10 +639,7 @@ def _encoded_prompts(encoding: Mapping) -> list[list[int]]:
     `input_ids`, one prompt or a batch, without the positions its `attention_mask` marks as padding."""
     if "input_ids" not in encoding:
         if "role" in encoding:
-            raise ValueError(
-                "got a chat message: apply the chat template first, e.g. "
-                "tokenizer.apply_chat_template(messages, add_generation_prompt=True)"
-            )
+            raise ValueError(f"got a chat message: {CHAT_TEMPLATE_HINT}")
         raise ValueError(f"a mapping of prompts needs input_ids (a tokenizer's output), got keys {sorted(encoding)}")
     ids, mask = encoding["input_ids"], encoding.get("attention_mask")
     ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)

@@ -8,7 +8,8 @@ class TextTracker:
 
     `visible` is the text safe to show: it never ends in an incomplete character, and while the request runs it
     holds back a tail that could still become a stop string. `stopped` tells that a stop string appeared; the text
-    then ends just before it.
+    then ends just before it. A stop string may begin in the prompt (`prompt_ids`) and end in the output, as with
+    `generate`'s `stop_strings`; the text is then empty.
 
     Example:
 
@@ -25,10 +26,14 @@ class TextTracker:
     ```
     """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), prompt_ids: list[int] | tuple[int, ...] = ()):
         self.tokenizer = tokenizer
         self.stop = stop
-        self._holdback = max((len(s) for s in stop), default=1) - 1
+        longest = max((len(s) for s in stop), default=1)
+        self._holdback = longest - 1
+        # the prompt's last tokens: a stop string may begin in the prompt and end in the output, as `generate`'s
+        # stop strings do (they watch the whole sequence)
+        self._prompt_tail = list(prompt_ids[-(2 * longest + 8) :]) if stop else []
         self.visible = ""
         self.stopped = False
 
@@ -55,10 +60,26 @@ class TextTracker:
                 return
 
     def _decode_until_stop(self, token_ids: list[int]) -> str:
-        """The text of `token_ids`, cut before the first stop string (which sets `stopped`)."""
+        """The text of `token_ids`, cut before the first stop string (which sets `stopped`); a stop string that
+        begins in the prompt leaves no text."""
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=None)
+        if cut is None and self._prompt_tail and len(text) <= 2 * (self._holdback + 1):
+            cut = 0 if self._stop_across_prompt_end(token_ids) else None
         if cut is None:
             return text
         self.stopped = True
         return text[:cut]
+
+    def _stop_across_prompt_end(self, token_ids: list[int]) -> bool:
+        """Whether a stop string begins in the prompt's text and ends in the output's (decoded together, so that
+        tokenizers which drop a leading space on their own see it)."""
+        head = self.tokenizer.decode(self._prompt_tail, skip_special_tokens=True)
+        joint = self.tokenizer.decode(self._prompt_tail + list(token_ids), skip_special_tokens=True)
+        if not joint.startswith(head):
+            return False
+        for stop in self.stop:
+            start = joint.find(stop, max(0, len(head) - len(stop) + 1))
+            if 0 <= start < len(head) < start + len(stop):
+                return True
+        return False
