@@ -221,6 +221,9 @@ def test_layers_that_do_not_pass_kwargs_to_their_attention_still_read_the_tables
 
 
 # ---------------------------------------------------------------------- attention that transforms K/V after the update
+LLAMA_LIKE = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
 TRANSFORMING = {  # model types whose attention changes the K/V the cache update returns before attending
     "diffllama": ("DiffLlamaConfig", "DiffLlamaForCausalLM", {}),
     "doge": ("DogeConfig", "DogeForCausalLM", {"keep_window_size": 2048}),
@@ -234,17 +237,7 @@ TRANSFORMING = {  # model types whose attention changes the K/V the cache update
 
 def transforming(model_type: str) -> torch.nn.Module:
     config_name, model_name, options = TRANSFORMING[model_type]
-    return tiny(
-        config_name,
-        model_name,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        **options,
-    )
+    return tiny(config_name, model_name, **LLAMA_LIKE, max_position_embeddings=512, **options)
 
 
 @pytest.mark.parametrize("mode", ["greedy", "beams"])
@@ -424,53 +417,30 @@ def test_minimax_with_only_full_attention_layers_is_refused_by_generate_and_the_
 
 def test_cross_attention_layers_mllama_are_refused():
     """Mllama's cross-attention layers keep the image features' K/V in the cache (images crashed deep inside)."""
-    model = tiny(
-        "MllamaTextConfig",
-        "MllamaForCausalLM",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        cross_attention_layers=[1],
-    )
+    model = tiny("MllamaTextConfig", "MllamaForCausalLM", **LLAMA_LIKE, cross_attention_layers=[1])
     assert_refused(model, r"MllamaForCausalLM has cross-attention layers \(layers \[1\]\)")
 
 
-def test_values_wider_than_keys_are_refused():
-    model = tiny(
+def tiny_mimo(**options) -> torch.nn.Module:
+    return tiny(
         "MiMoV2FlashConfig",
         "MiMoV2FlashForCausalLM",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **LLAMA_LIKE,
         head_dim=16,
-        v_head_dim=24,
-        layer_types=["full_attention"] * 2,
-        mlp_layer_types=["dense", "dense"],
+        mlp_layer_types=["dense"] * 2,
+        **options,
     )
+
+
+def test_values_wider_than_keys_are_refused():
+    model = tiny_mimo(v_head_dim=24, layer_types=["full_attention"] * 2)
     assert_refused(model, "MiMoV2FlashForCausalLM has values of v_head_dim=24 dims and keys of head_dim=16")
 
 
 def test_layer_groups_with_k_v_of_different_shapes_are_refused_at_the_first_write():
     """MiMo-V2-Flash's sliding layers have twice the KV heads of its full layers; the layer groups share lanes, so
     the first write of the second shape is refused clearly (it was a dtype/device message) and nothing is kept."""
-    model = tiny(
-        "MiMoV2FlashConfig",
-        "MiMoV2FlashForCausalLM",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        v_head_dim=16,
-        sliding_window=6,
-        layer_types=["full_attention", "sliding_attention"],
-        mlp_layer_types=["dense", "dense"],
-    )
+    model = tiny_mimo(v_head_dim=16, sliding_window=6, layer_types=["full_attention", "sliding_attention"])
     refusal = r"layer 1 produced K/V of 4 heads x 16 dims, but lane 0, which it shares with a layer of another layer"
     with pytest.raises(NotImplementedError, match=refusal):
         model.generate(
