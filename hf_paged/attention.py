@@ -94,8 +94,10 @@ def paged_attention_forward(
 
     When the forward runs with a `PagedCache` (`paged_cache`, or the cache hf_paged's forward hook bound to this
     thread), `key` and `value` are only this step's tokens, already written into the pool; the full K/V of the layer
-    is read through the row block tables (`PagedCache.read_layer`). Without a paged cache, or for an attention whose
-    layer wrote nothing in the running forward (a vision encoder's), it attends over the `key`/`value` given.
+    is read through the row block tables (`PagedCache.read_layer`; the layer `PagedCache.attending_layer` names: the
+    cache slot the model's update wrote, which may differ from `module.layer_idx`). Without a paged cache, or for an
+    attention whose layer wrote nothing in the running forward (a vision encoder's), it attends over the
+    `key`/`value` given.
     The grouped-query factor comes from the tensor shapes; `scaling`, `softcap`, attention sinks (`s_aux`) and the
     (sliding-window, padded) mask are honoured. With `output_attentions=True` (which transformers passes down) it
     computes in plain torch ops and returns the attention probabilities, as eager attention does; otherwise it runs
@@ -103,8 +105,8 @@ def paged_attention_forward(
     """
     if paged_cache is None:
         paged_cache = bound_paged_cache()
-    layer_idx = getattr(module, "layer_idx", None)
-    if paged_cache is not None and paged_cache.reads_tables_in_attention() and paged_cache.wrote_layer(layer_idx):
+    layer_idx = None if paged_cache is None else paged_cache.attending_layer(getattr(module, "layer_idx", None))
+    if layer_idx is not None and paged_cache.reads_tables_in_attention():
         paged_cache.check_attention_inputs(layer_idx, key, value)
         packed = paged_cache.packed_rows()
         if paged_cache.eager_math:

@@ -251,12 +251,18 @@ class BatchCache(Cache, ForwardBoundCache):
     def reads_tables_in_attention(self) -> bool:
         return self._batch is not None and self._batch.reads_tables
 
-    def wrote_layer(self, layer_idx: int | None) -> bool:
-        """Whether layer `layer_idx` (`None`: any layer) wrote its K/V in the running forward."""
+    def attending_layer(self, module_layer: int | None) -> int | None:
+        """The layer whose K/V an attention call of the running forward reads: the one that wrote last, while its
+        attention has not read it yet (the cache slot the model's update named, which may differ from the module's
+        `layer_idx`: HRM offsets it per recurrent cycle); else `module_layer` when that layer wrote. `None`: the call
+        belongs to no layer of this cache (a vision encoder's attention, before any layer wrote)."""
         batch = self._batch
         if batch is None:
-            return False
-        return batch.last_layer is not None if layer_idx is None else layer_idx in batch.layers_written
+            return None
+        last = batch.last_layer
+        if module_layer is None or (last is not None and last not in batch.layers_read):
+            return last
+        return module_layer if module_layer in batch.layers_written else None
 
     def packed_rows(self):
         """The `PackedRows` of the running forward when its tokens are packed (no pad position), else `None`."""

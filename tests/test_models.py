@@ -281,6 +281,29 @@ def test_kv_of_another_shape_than_stored_is_refused_mid_forward(model_type, monk
     assert pool.stats().num_used == 0
 
 
+def test_an_update_into_another_cache_slot_than_the_module_layer_is_read_from_that_slot():
+    """HRM-text runs its two layers of each stack several times per forward, each pass writing cache slot
+    `layer_idx + cycle_offset`; the "hf_paged" attention reads the slot the update named (it read the module's
+    `layer_idx` and was refused: that slot's K/V were never read back)."""
+    model = tiny(
+        "HrmTextConfig",
+        "HrmTextForCausalLM",
+        **LLAMA_LIKE | {"num_hidden_layers": 16},
+        num_layers_per_stack=2,
+        H_cycles=2,
+        L_cycles=3,
+        max_position_embeddings=512,
+    )
+    for mode in ("greedy", "beams"):
+        check_mode(model, {**CACHE, "attn_implementation": "hf_paged"}, mode)
+    prompt = torch.randint(3, 128, (9,), generator=torch.Generator().manual_seed(4)).tolist()
+    engine = hf_paged.Engine(model, block_size=4, num_blocks=256)
+    (output,) = engine.generate([prompt], max_new_tokens=6, min_new_tokens=6)
+    engine.close()
+    stock = model.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert output.token_ids == stock[0, len(prompt) :].tolist()
+
+
 # ---------------------------------------------------------------------- refused families
 def tiny(config_name: str, model_name: str, **options) -> torch.nn.Module:
     config = getattr(transformers, config_name)(
