@@ -36,7 +36,9 @@ def check_supported(model: torch.nn.Module) -> None:
     in full or through a sliding window. Refused: encoder-decoder models (their decoder cache also holds
     cross-attention K/V of the encoder output), layers that keep a recurrent or linear-attention state, chunked
     attention, multi-head latent attention (the cache holds compressed latents of two different widths instead of
-    per-head K/V), and layers that read the K/V of another layer (KV sharing).
+    per-head K/V), cross-attention layers (Mllama: their cache holds the image features' K/V), layers that read the
+    K/V of another layer (KV sharing), values wider than keys, and models transformers builds no `DynamicCache`
+    for (a cache of their own).
 
     Example:
 
