@@ -113,6 +113,13 @@ def test_stop_strings_cut_the_text(smollm2, client):
     assert reply.choices[0].text == full[: full.index(stop)] and reply.choices[0].finish_reason == "stop"
 
 
+def test_a_stop_string_holding_a_special_token_is_a_bad_request(client):
+    """It could never match the text (special tokens are skipped); the 400 names the id to end on instead."""
+    with pytest.raises(openai.BadRequestError, match=r"special token '<\|im_end\|>' \(id 2\).*eos_token_id=2"):
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, stop=["<|im_end|>"])
+    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=2).choices[0].text is not None
+
+
 def test_32_concurrent_streaming_clients_share_the_batch(server, client):
     results, errors = {}, []
 
