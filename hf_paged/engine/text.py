@@ -36,34 +36,49 @@ class TextTracker:
         self._prompt_tail = list(prompt_ids[-(2 * longest + 8) :]) if stop else []
         self.visible = ""
         self.stopped = False
+        # incremental decoding: `_text` is the text of the first `_read` tokens (whole characters); the next piece
+        # is what decoding from `_prefix` adds to the text of tokens `_prefix:_read` (the context a tokenizer needs,
+        # e.g. for a word's leading space), so each step decodes a few tokens, not the whole output
+        self._text = ""
+        self._prefix = 0
+        self._read = 0
 
     def update(self, token_ids: list[int]) -> None:
         if self.stopped:
             return
-        text = self._decode_until_stop(token_ids)
+        text = self._extend(token_ids)
         if self.stopped:
             self.visible = text
             return
-        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for its next token
-            text = text.rstrip("\ufffd")
         safe = text[: len(text) - self._holdback] if self._holdback else text
         if len(safe) > len(self.visible) and safe.startswith(self.visible):
             self.visible = safe
 
     def finish(self, token_ids: list[int]) -> None:
-        """The request ended: show everything (up to a stop string). Text that cannot be decoded (the request failed
-        on it) stays as last shown."""
+        """The request ended: show everything (up to a stop string), an incomplete last character included. Text
+        that cannot be decoded (the request failed on it) stays as last shown."""
         if not self.stopped:
             try:
-                self.visible = self._decode_until_stop(token_ids)
+                self.visible = self._extend(token_ids, final=True)
             except Exception:
                 return
 
-    def _decode_until_stop(self, token_ids: list[int]) -> str:
-        """The text of `token_ids`, cut before the first stop string (which sets `stopped`); a stop string that
-        begins in the prompt leaves no text."""
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=None)
+    def _extend(self, token_ids: list[int], final: bool = False) -> str:
+        """The text of `token_ids` (which extend the tokens seen before), cut before the first stop string (which
+        sets `stopped`); a stop string that begins in the prompt leaves no text. A trailing incomplete character
+        waits for its next token unless `final`."""
+        if len(token_ids) < self._read:  # not an extension: start over
+            self._text, self._prefix, self._read = "", 0, 0
+        decode = self.tokenizer.decode
+        context = decode(token_ids[self._prefix : self._read], skip_special_tokens=True)
+        window = decode(token_ids[self._prefix :], skip_special_tokens=True)
+        searched_from = len(self._text)
+        if len(window) > len(context) and (final or not window.endswith("\ufffd")):
+            self._text += window[len(context) :]
+            self._prefix, self._read = self._read, len(token_ids)
+        text = self._text
+        first = max(0, searched_from - self._holdback)
+        cut = min((i for i in (text.find(s, first) for s in self.stop) if i >= 0), default=None)
         if cut is None and self._prompt_tail and len(text) <= 2 * (self._holdback + 1):
             cut = 0 if self._stop_across_prompt_end(token_ids) else None
         if cut is None:
