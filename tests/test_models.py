@@ -240,6 +240,18 @@ def transforming(model_type: str) -> torch.nn.Module:
     return tiny(config_name, model_name, **LLAMA_LIKE, max_position_embeddings=512, **options)
 
 
+def assert_refused_mid_forward(model, message: str) -> None:
+    """A paged `generate` raises `NotImplementedError` matching `message` during its first forward, and leaves the
+    pool consistent with every block back."""
+    with pytest.raises(NotImplementedError, match=message):
+        model.generate(
+            input_ids=torch.randint(3, 128, (1, 6)), max_new_tokens=3, cache_implementation="paged", cache_config=CACHE
+        )
+    pool = get_pool(model)
+    pool.check_invariants()
+    assert pool.stats().num_used == 0
+
+
 @pytest.mark.parametrize("mode", ["greedy", "beams"])
 @pytest.mark.parametrize("model_type", TRANSFORMING)
 def test_attention_transforming_its_kv_reads_the_paged_cache_densely(model_type, mode):
@@ -271,14 +283,8 @@ def test_kv_of_another_shape_than_stored_is_refused_mid_forward(model_type, monk
     """The safety net for a model not in the list: the "hf_paged" attention refuses K/V other than its layer's
     update returned (DiffLlama's keep their shape, JetMoe's do not), instead of attending to untransformed K/V."""
     monkeypatch.delitem(hf_paged.support.KV_TRANSFORMED_AFTER_UPDATE, model_type)
-    model = transforming(model_type)
-    with pytest.raises(NotImplementedError, match=r"layer 0's attention got other K/V than its cache update returned"):
-        model.generate(
-            input_ids=torch.randint(3, 128, (1, 6)), max_new_tokens=3, cache_implementation="paged", cache_config=CACHE
-        )
-    pool = get_pool(model)
-    pool.check_invariants()
-    assert pool.stats().num_used == 0
+    refusal = r"layer 0's attention got other K/V than its cache update returned"
+    assert_refused_mid_forward(transforming(model_type), refusal)
 
 
 def test_an_update_into_another_cache_slot_than_the_module_layer_is_read_from_that_slot():
@@ -465,13 +471,7 @@ def test_layer_groups_with_k_v_of_different_shapes_are_refused_at_the_first_writ
     the first write of the second shape is refused clearly (it was a dtype/device message) and nothing is kept."""
     model = tiny_mimo(v_head_dim=16, sliding_window=6, layer_types=["full_attention", "sliding_attention"])
     refusal = r"layer 1 produced K/V of 4 heads x 16 dims, but lane 0, which it shares with a layer of another layer"
-    with pytest.raises(NotImplementedError, match=refusal):
-        model.generate(
-            input_ids=torch.randint(3, 128, (1, 6)), max_new_tokens=3, cache_implementation="paged", cache_config=CACHE
-        )
-    pool = get_pool(model)
-    pool.check_invariants()
-    assert pool.stats().num_used == 0
+    assert_refused_mid_forward(model, refusal)
 
 
 def test_chunked_attention_llama4_is_refused():
