@@ -15,6 +15,7 @@ import time
 import warnings
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import hf_paged
@@ -91,6 +92,8 @@ def rank_work(rank: int, folder: str) -> list[dict]:
         abandoned.close()  # aborts the request; the followers replay the abort with the next step
         assert distributed.step()[0].finish_reason == "abort"
         result["interleaved"] = interleaved_streams(distributed)
+        padded = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])  # without a mask: the pads (id 0) are not prompt tokens
+        result["padded"] = [o.prompt_token_ids for o in distributed.generate(padded, max_new_tokens=1)]
         result["rank_states"] = distributed.rank_states  # as of that step
         distributed.close()
     else:
@@ -157,6 +160,11 @@ def test_two_streams_read_in_turn_each_get_every_piece(job):
     engine = hf_paged.Engine(load(folder, tp=False), progress=False, **ENGINE_OPTIONS)
     expected = [o.token_ids for prompts, new in INTERLEAVED for o in engine.generate(prompts, max_new_tokens=new)]
     assert sorted(finals.values()) == sorted(expected)
+
+
+def test_a_padded_tensor_of_prompts_loses_its_pads_as_in_the_engine(job):
+    _, ranks, _ = job
+    assert ranks[0]["padded"] == [[5, 6], [7, 8, 9, 10]]
 
 
 def test_every_step_gives_the_same_tokens_and_allocator_stats_on_every_rank(job):

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..pool import PoolStats
-from .engine import Engine, Prompt
+from .engine import Engine, Prompt, as_prompt_list
 from .params import SamplingParams
 from .request import RequestOutput
 from .routing import OutputRouter
@@ -244,7 +244,7 @@ class DistributedEngine:
 
     def generate(self, prompts, generation_config=None, **options) -> list[RequestOutput]:
         """`Engine.generate` over every rank: run every prompt to completion; outputs in input order."""
-        prompts = _prompt_list(prompts)
+        prompts = self._prompt_list(prompts, generation_config, options)
         self.reset_stats()
         ids = [self.add_request(p, generation_config, **options) for p in prompts]
         results = {}
@@ -256,7 +256,8 @@ class DistributedEngine:
 
     def stream(self, prompts, generation_config=None, **options) -> Iterator[RequestOutput]:
         """`Engine.stream` over every rank; closing the iterator early aborts the unfinished requests."""
-        ids = [self.add_request(p, generation_config, **options) for p in _prompt_list(prompts)]
+        prompts = self._prompt_list(prompts, generation_config, options)
+        ids = [self.add_request(p, generation_config, **options) for p in prompts]
         yield from self._until_done(ids)
 
     def has_unfinished_requests(self) -> bool:
@@ -401,6 +402,11 @@ class DistributedEngine:
                 for request_id in pending:
                     self.abort(request_id)
 
+    def _prompt_list(self, prompts, generation_config, options: dict) -> list:
+        """The prompts of a `generate`/`stream` call, as `Engine.generate` takes them (a 2-D tensor without its pad
+        tokens, a tokenizer's output...)."""
+        return as_prompt_list(prompts, self.engine.masked_pad(generation_config, options))
+
     def _params(self, generation_config, options: dict) -> SamplingParams:
         if isinstance(generation_config, SamplingParams):
             fields = {f.name: getattr(generation_config, f.name) for f in dataclasses.fields(generation_config)}
@@ -420,14 +426,6 @@ class DistributedEngine:
         if isinstance(prompt, torch.Tensor):
             return prompt.reshape(-1).tolist()
         return list(prompt)
-
-
-def _prompt_list(prompts) -> list:
-    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
-        return [prompts]
-    if isinstance(prompts, torch.Tensor):
-        return prompts.tolist() if prompts.dim() == 2 else [prompts.tolist()]
-    return list(prompts)
 
 
 __all__ = ["DistributedEngine", "LockstepError", "RankFailedError", "RankState", "init_distributed"]

@@ -378,7 +378,7 @@ class Engine:
         """Run every prompt to completion; outputs in input order (token ids, text with a tokenizer, finish
         reason). `generation_config` may be one config for all prompts or one per prompt; `options` apply to all.
         A request that can never fit in the pool finishes alone with `finish_reason="error"`."""
-        prompts = _as_prompt_list(prompts, self._masked_pad(generation_config, options))
+        prompts = as_prompt_list(prompts, self.masked_pad(generation_config, options))
         configs = _per_prompt(generation_config, len(prompts))
         self.reset_stats()
         ids = self._add_all(prompts, configs, options)
@@ -398,7 +398,7 @@ class Engine:
     ) -> Iterator[RequestOutput]:
         """Like `generate`, but yields each request's incremental output (`new_token_ids`, `new_text`) as steps
         produce it. Closing the iterator early aborts the requests not yet finished."""
-        prompts = _as_prompt_list(prompts, self._masked_pad(generation_config, options))
+        prompts = as_prompt_list(prompts, self.masked_pad(generation_config, options))
         configs = _per_prompt(generation_config, len(prompts))
         pending = set(self._add_all(prompts, configs, options))
         try:
@@ -406,7 +406,7 @@ class Engine:
         finally:
             self._forget(pending)  # the caller stopped listening: nobody needs their final report
 
-    def _masked_pad(self, generation_config, options: dict) -> int | None:
+    def masked_pad(self, generation_config, options: dict) -> int | None:
         """The pad token `generate` masks in a tensor of token ids given without an attention mask: the config's
         `pad_token_id`, unless it is also an end-of-sequence token (then `generate` cannot tell pads apart)."""
         config = generation_config if isinstance(generation_config, GenerationConfig) else self.model.generation_config
@@ -610,7 +610,7 @@ def _check_stop_strings(stop: tuple[str, ...], tokenizer) -> None:
                 )
 
 
-def _as_prompt_list(prompts, masked_pad: int | None = None) -> list:
+def as_prompt_list(prompts, masked_pad: int | None = None) -> list:
     """One prompt (a string, token ids, a 1-D tensor or array) or several (a list of them, a 2-D tensor or array,
     a tokenizer's output) as a list of prompts. A 2-D tensor or array holding `masked_pad` loses those positions,
     as `generate` masks them when it is given no attention mask."""
