@@ -78,6 +78,8 @@ def test_a_stop_string_may_begin_in_the_prompt(tokenizer):
     output = tokenizer(" Paris.")["input_ids"]
     across = TextTracker(tokenizer, (" is Paris",), prompt)
     assert stream(across, output)[-1] == "" and across.stopped
+    short = TextTracker(tokenizer, ("s ",), prompt)  # two characters, ended by a six-character first token
+    assert stream(short, output)[-1] == "" and short.stopped
     inside = TextTracker(tokenizer, ("France",), prompt)  # in the prompt alone: no stop
     assert stream(inside, output)[-1] == " Paris." and not inside.stopped
 

@@ -79,7 +79,9 @@ class TextTracker:
         text = self._text
         first = max(0, searched_from - self._holdback)
         cut = min((i for i in (text.find(s, first) for s in self.stop) if i >= 0), default=None)
-        if cut is None and self._prompt_tail and len(text) <= 2 * (self._holdback + 1):
+        if cut is None and self._prompt_tail and searched_from < self._holdback:
+            # a stop string begun in the prompt ends within the output's first `_holdback` characters, so it shows
+            # in an update whose text started shorter than that
             cut = 0 if self._stop_across_prompt_end(token_ids) else None
         if cut is None:
             return text
