@@ -105,8 +105,9 @@ def paged_attention_forward(
     """
     if paged_cache is None:
         paged_cache = bound_paged_cache()
-    layer_idx = None if paged_cache is None else paged_cache.attending_layer(getattr(module, "layer_idx", None))
-    if layer_idx is not None and paged_cache.reads_tables_in_attention():
+    reads_tables = paged_cache is not None and paged_cache.reads_tables_in_attention()
+    layer_idx = paged_cache.attending_layer(getattr(module, "layer_idx", None)) if reads_tables else None
+    if layer_idx is not None:
         paged_cache.check_attention_inputs(layer_idx, key, value)
         packed = paged_cache.packed_rows()
         if paged_cache.eager_math:

@@ -222,12 +222,12 @@ class BatchCache(Cache, ForwardBoundCache):
         layer_idx = batch.last_layer if layer_idx is None else layer_idx
         return batch.read(self.pool.storage, layer_idx, rows, start, stop, new)
 
-    def check_attention_inputs(self, layer_idx: int | None, key: torch.Tensor, value: torch.Tensor) -> None:
+    def check_attention_inputs(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Refuse (`NotImplementedError`) an attention handed other K/V than its layer's update returned: the model
         transformed them after the update (split, repeated, widened), which the K/V it reads through the block
         tables would not have been. The usual case (the same tensors) costs two identity checks."""
         last = self._last_update
-        if last is None or (layer_idx is not None and last[0] != layer_idx):
+        if last is None or last[0] != layer_idx:
             return
         updated_keys, updated_values = last[1], last[2]
         if _same_tensor(key, updated_keys) and _same_tensor(value, updated_values):
