@@ -1,0 +1,185 @@
+"""Paged-attention kernels behind one call: attention over a layer's block storage as it lies.
+
+`paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start, scale=...)` attends every row's
+queries over the keys its block table names, causally, with grouped-query heads, an optional sliding window, logit
+soft-cap and attention sinks. One call covers decode steps (one query per row), prefill chunks and mixed packed
+steps. Backends:
+
+- `"gather"`: the reference; copies each row's K/V out of the blocks, then attends with torch ops. Runs anywhere.
+- `"cpu"`: reads the blocks in place, multi-threaded (C++ built at first use, see `kernels.build`); fp32, bf16, fp16.
+
+`resolve_kernel(name, device)` turns a `cache_config={"kernel": ...}` choice into a `KernelChoice`: `"auto"` picks
+the fastest backend available for the device and, per call, for the shape (on the CPU, rows of at most
+`AUTO_CPU_MAX_QUERIES` queries read in place; longer prompt chunks gather, where SDPA's blocked matmuls win).
+
+Example:
+
+```python
+>>> import torch
+>>> from hf_paged.kernels import paged_attention
+>>> key_cache = value_cache = torch.randn(4, 16, 2, 8)     # 4 blocks of 16 tokens, 2 KV heads, head_dim 8
+>>> query = torch.randn(3, 4, 8)                           # row 0: 1 query (decode); row 1: 2 queries
+>>> out = paged_attention(
+...     query, key_cache, value_cache,
+...     block_tables=torch.tensor([[2, 0], [1, 3]], dtype=torch.int32),
+...     seq_lens=torch.tensor([20, 5], dtype=torch.int32),         # row 0 holds 20 tokens, row 1 holds 5
+...     query_start=torch.tensor([0, 1, 3], dtype=torch.int32),
+...     scale=8**-0.5, kernel="gather",
+... )
+>>> out.shape
+torch.Size([3, 4, 8])
+
+```
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from . import cpu
+from .build import KernelBuildError
+from .reference import gather_paged_attention
+
+KERNELS = ("auto", "gather", "cpu")
+AUTO_CPU_MAX_QUERIES = 8  # measured: benchmarks/paged_kernel.py (docs/benchmarks.md)
+DEFAULT_KERNEL = os.environ.get("HF_PAGED_KERNEL", "auto")
+
+__all__ = [
+    "AUTO_CPU_MAX_QUERIES",
+    "DEFAULT_KERNEL",
+    "KERNELS",
+    "KernelChoice",
+    "in_place_backend",
+    "paged_attention",
+    "resolve_kernel",
+]
+
+_warned: set[str] = set()
+_warn_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """Which backend a paged cache's attention calls, and for which shapes.
+
+    Attributes:
+        requested (`str`): what was asked for (`"auto"`, `"gather"`, `"cpu"`).
+        backend (`str`): the backend that runs (`"gather"` where the requested one cannot run here).
+        max_queries (`int`, *optional*): rows with more new tokens than this gather instead (`None`: no limit).
+    """
+
+    requested: str
+    backend: str
+    max_queries: int | None = None
+
+    @property
+    def in_place(self) -> bool:
+        """Whether calls read the blocks where they lie (any backend but `"gather"`)."""
+        return self.backend != "gather"
+
+    def takes(self, num_queries: int) -> bool:
+        """Whether a row with `num_queries` new tokens goes to the in-place backend."""
+        return self.in_place and (self.max_queries is None or num_queries <= self.max_queries)
+
+
+_IN_PLACE_BACKENDS = {"cpu": cpu}  # name -> module with supports(query, key_cache) and attention(...)
+
+
+def in_place_backend(name: str):
+    """The module of in-place backend `name`: `supports(query, key_cache)` and `attention(...)` (the arguments of
+    `paged_attention`, positionally, without `kernel`)."""
+    return _IN_PLACE_BACKENDS[name]
+
+
+def check_kernel_name(name) -> str:
+    if not isinstance(name, str) or name not in KERNELS:
+        raise ValueError(f"cache_config kernel must be one of {list(KERNELS)}, got {name!r}")
+    return name
+
+
+def _warn_once(key: str, message: str) -> None:
+    with _warn_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def resolve_kernel(name: str | None, device: torch.device | str) -> KernelChoice:
+    """The `KernelChoice` of `cache_config={"kernel": name}` on `device` (`None`: `DEFAULT_KERNEL`). A backend that
+    cannot run here (not built: no compiler; another device) falls back to `"gather"` with one warning per process.
+
+    Raises:
+        ValueError: `name` is not one of `KERNELS`.
+    """
+    name = check_kernel_name(DEFAULT_KERNEL if name is None else name)
+    device = torch.device(device)
+    if name == "gather":
+        return KernelChoice(name, "gather")
+    if device.type != "cpu":
+        if name == "cpu":
+            _warn_once(
+                f"device:{device.type}",
+                f"hf_paged: kernel='cpu' reads blocks in CPU memory, but the pool is on {device}; attention gathers "
+                "K/V instead (kernel='gather')",
+            )
+        return KernelChoice(name, "gather")
+    try:
+        cpu.library()
+    except (KernelBuildError, RuntimeError) as error:
+        _warn_once(
+            "cpu-build",
+            f"hf_paged: the CPU paged-attention kernel is not available ({error}); attention gathers K/V instead "
+            "(kernel='gather'): correct, but slower at long contexts. Install a C++ compiler (g++ or clang++, or "
+            "set HF_PAGED_CXX) to read the blocks in place.",
+        )
+        return KernelChoice(name, "gather")
+    return KernelChoice(name, "cpu", AUTO_CPU_MAX_QUERIES if name == "auto" else None)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    *,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """Paged attention of packed queries over K/V read through block tables.
+
+    Args:
+        query (`torch.Tensor`): `[tokens, q_heads, head_dim]`: every row's new tokens, row after row.
+        key_cache, value_cache (`torch.Tensor`): one layer's blocks, `[num_blocks, block_size, kv_heads, head_dim]`
+            (`q_heads` a multiple of `kv_heads`; query head `h` reads KV head `h // (q_heads // kv_heads)`).
+        block_tables (`torch.Tensor`): int32 `[rows, max_blocks]`: row `r`'s logical block `i` is physical block
+            `block_tables[r, i]`; entries past a row's blocks must still be valid block ids.
+        seq_lens (`torch.Tensor`): int32 `[rows]`: tokens of every row, this call's new ones included.
+        query_start (`torch.Tensor`): int32 `[rows + 1]`: row `r`'s queries are `query[query_start[r] :
+            query_start[r + 1]]`, its last tokens (query `i` of `n` sits at position `seq_lens[r] - n + i`).
+        scale (`float`): logit scale.
+        window (`int`, *optional*): sliding window: a query at position `p` sees keys `k` with `p - k < window`.
+        softcap (`float`, *optional*): logits become `softcap * tanh(logits / softcap)`.
+        sinks (`torch.Tensor`, *optional*): `[q_heads]` logits that take softmax mass and carry no value.
+        kernel (`str`): `"auto"` (in place where the device has a backend), `"gather"`, `"cpu"`.
+
+    Returns:
+        `torch.Tensor`: `[tokens, q_heads, head_dim]` in the query's dtype.
+    """
+    choice = resolve_kernel(kernel, query.device)
+    args = (query, key_cache, value_cache, block_tables, seq_lens, query_start, scale, window, softcap, sinks)
+    if choice.in_place:
+        backend = in_place_backend(choice.backend)
+        if backend.supports(query, key_cache):
+            return backend.attention(*args)
+    return gather_paged_attention(*args)

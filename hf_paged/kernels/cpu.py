@@ -1,0 +1,142 @@
+"""The CPU backend: `csrc/paged_attention_cpu.cpp`, reading K/V through the block tables in place, called through
+ctypes (built at first use, see `kernels.build`)."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from .build import load_library
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+QUERY_TILE = 16  # queries of one row an item attends for at a time
+MIN_SPLIT_KEYS = 512  # a small batch splits a row's keys over the threads, at least this many keys a split
+ABI_VERSION = 1
+
+
+class _Params(ctypes.Structure):
+    _fields_ = [
+        ("query", ctypes.c_void_p),
+        ("key_cache", ctypes.c_void_p),
+        ("value_cache", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("block_tables", ctypes.c_void_p),
+        ("seq_lens", ctypes.c_void_p),
+        ("query_start", ctypes.c_void_p),
+        ("sinks", ctypes.c_void_p),
+        ("table_stride", ctypes.c_int64),
+        ("q_stride_token", ctypes.c_int64),
+        ("q_stride_head", ctypes.c_int64),
+        ("out_stride_token", ctypes.c_int64),
+        ("out_stride_head", ctypes.c_int64),
+        ("kv_stride_block", ctypes.c_int64),
+        ("kv_stride_token", ctypes.c_int64),
+        ("kv_stride_head", ctypes.c_int64),
+        ("num_rows", ctypes.c_int32),
+        ("num_q_heads", ctypes.c_int32),
+        ("num_kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("block_size", ctypes.c_int32),
+        ("window", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+        ("softcap", ctypes.c_float),
+        ("num_threads", ctypes.c_int32),
+        ("query_tile", ctypes.c_int32),
+        ("min_split_keys", ctypes.c_int32),
+    ]
+
+
+_library = None
+
+
+def library() -> ctypes.CDLL:
+    """The built kernel (raises `KernelBuildError` where it cannot be built)."""
+    global _library
+    if _library is None:
+        lib = load_library(SOURCE)
+        lib.hf_paged_attention.argtypes = [ctypes.POINTER(_Params), ctypes.c_int]
+        lib.hf_paged_attention.restype = ctypes.c_int
+        lib.hf_paged_abi_version.restype = ctypes.c_int
+        if lib.hf_paged_abi_version() != ABI_VERSION:
+            raise RuntimeError(f"{SOURCE.name}: ABI {lib.hf_paged_abi_version()}, expected {ABI_VERSION}")
+        _library = lib
+    return _library
+
+
+def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether this backend can run a call on these tensors."""
+    return (
+        query.device.type == "cpu"
+        and key_cache.device.type == "cpu"
+        and query.dtype == key_cache.dtype
+        and query.dtype in DTYPES
+        and query.stride(-1) == 1
+        and key_cache.stride(-1) == 1
+    )
+
+
+def attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`kernels.paged_attention` on the CPU, reading the blocks where they lie."""
+    lib = library()
+    num_tokens, num_q_heads, head_dim = query.shape
+    if out is None:
+        out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=query.dtype)
+    block_tables = block_tables.to(torch.int32).contiguous()
+    seq_lens = seq_lens.to(torch.int32).contiguous()
+    query_start = query_start.to(torch.int32).contiguous()
+    if sinks is not None:
+        sinks = sinks.detach().to(torch.float32).contiguous()
+    if value_cache.stride() != key_cache.stride() or value_cache.shape != key_cache.shape:
+        value_cache = value_cache.contiguous()
+        key_cache = key_cache.contiguous()
+    params = _Params(
+        query=query.data_ptr(),
+        key_cache=key_cache.data_ptr(),
+        value_cache=value_cache.data_ptr(),
+        out=out.data_ptr(),
+        block_tables=block_tables.data_ptr(),
+        seq_lens=seq_lens.data_ptr(),
+        query_start=query_start.data_ptr(),
+        sinks=None if sinks is None else sinks.data_ptr(),
+        table_stride=block_tables.stride(0) if block_tables.dim() == 2 else 0,
+        q_stride_token=query.stride(0),
+        q_stride_head=query.stride(1),
+        out_stride_token=out.stride(0),
+        out_stride_head=out.stride(1),
+        kv_stride_block=key_cache.stride(0),
+        kv_stride_token=key_cache.stride(1),
+        kv_stride_head=key_cache.stride(2),
+        num_rows=seq_lens.numel(),
+        num_q_heads=num_q_heads,
+        num_kv_heads=key_cache.shape[2],
+        head_dim=head_dim,
+        block_size=key_cache.shape[1],
+        window=0 if window is None else int(window),
+        scale=float(scale),
+        softcap=0.0 if softcap is None else float(softcap),
+        num_threads=torch.get_num_threads(),
+        query_tile=QUERY_TILE,
+        min_split_keys=MIN_SPLIT_KEYS,
+    )
+    status = lib.hf_paged_attention(ctypes.byref(params), DTYPES[query.dtype])
+    if status != 0:
+        raise RuntimeError(f"the CPU paged-attention kernel refused its arguments (status {status})")
+    return out
+
+
+cpu_paged_attention = attention

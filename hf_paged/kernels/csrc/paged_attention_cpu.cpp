@@ -1,0 +1,398 @@
+// Paged attention on the CPU, reading K/V through block tables where the blocks lie (no dense copy).
+//
+// One call covers decode steps (one query per row), prefill chunks and mixed packed steps: row r's queries are
+// query[q_start[r] .. q_start[r + 1]), the last tokens of its seq_lens[r] tokens, causal (query i of a row with n
+// queries sits at position seq_len - n + i). Grouped-query attention (query head h reads KV head h / (Hq / Hkv)),
+// a sliding window (a query at p sees keys k with p - k < window), logit soft-capping and attention sinks (one logit
+// per query head that takes softmax mass and has no value). Softmax is online, in fp32, a block at a time.
+//
+// Work is split into items (row, KV head, query tile, key split), run in parallel with OpenMP; an item loads each K/V
+// block of its range once, converted to fp32 (K transposed, so scores vectorise over the block's tokens), for all the
+// query heads of its KV head. Rows with few items (a small decode batch) split their keys; the splits are merged
+// with their log-sum-exp. Plain C ABI (called through ctypes): no torch headers, so it builds in about a second.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include <omp.h>
+
+namespace {
+
+struct Params {
+  const void* query;      // [tokens, q_heads, head_dim], head_dim contiguous
+  const void* key_cache;  // [blocks, block_size, kv_heads, head_dim], head_dim contiguous
+  const void* value_cache;
+  void* out;              // [tokens, q_heads, head_dim], head_dim contiguous
+  const int32_t* block_tables;  // [rows, table_stride]
+  const int32_t* seq_lens;      // [rows]
+  const int32_t* query_start;   // [rows + 1]
+  const float* sinks;           // [q_heads] or null
+  int64_t table_stride;
+  int64_t q_stride_token, q_stride_head;
+  int64_t out_stride_token, out_stride_head;
+  int64_t kv_stride_block, kv_stride_token, kv_stride_head;
+  int32_t num_rows, num_q_heads, num_kv_heads, head_dim, block_size;
+  int32_t window;  // 0: no window
+  float scale;
+  float softcap;   // 0: none
+  int32_t num_threads;
+  int32_t query_tile;  // queries of a row per item
+  int32_t min_split_keys;  // a key split holds at least this many keys
+};
+
+struct Item {
+  int32_t row, kv_head, q_begin, q_end, k_begin, k_end, slot;  // slot: partial-result index, -1 = write out
+};
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t bits, bool is_bf16) {
+  if (is_bf16) {
+    uint32_t word = static_cast<uint32_t>(bits) << 16;
+    float f;
+    std::memcpy(&f, &word, sizeof f);
+    return f;
+  }
+  _Float16 h;
+  std::memcpy(&h, &bits, sizeof h);
+  return static_cast<float>(h);
+}
+
+template <typename T>
+struct Scalar;
+template <>
+struct Scalar<float> {
+  static inline float load(const float* p, int64_t i) { return p[i]; }
+  static inline void store(float* p, int64_t i, float v) { p[i] = v; }
+};
+struct BF16 {
+  uint16_t bits;
+};
+struct F16 {
+  uint16_t bits;
+};
+template <>
+struct Scalar<BF16> {
+  static inline float load(const BF16* p, int64_t i) { return to_float(p[i].bits, true); }
+  static inline void store(BF16* p, int64_t i, float v) {
+    uint32_t word;
+    std::memcpy(&word, &v, sizeof word);
+    if ((word & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
+      p[i].bits = static_cast<uint16_t>((word >> 16) | 0x40u);
+      return;
+    }
+    word += 0x7fffu + ((word >> 16) & 1u);  // round to nearest even, as torch does
+    p[i].bits = static_cast<uint16_t>(word >> 16);
+  }
+};
+template <>
+struct Scalar<F16> {
+  static inline float load(const F16* p, int64_t i) { return to_float(p[i].bits, false); }
+  static inline void store(F16* p, int64_t i, float v) {
+    _Float16 h = static_cast<_Float16>(v);
+    std::memcpy(&p[i].bits, &h, sizeof h);
+  }
+};
+
+// exp(x) for x <= 0 (arguments here are logit - running max): Cody-Waite range reduction and a degree-6
+// polynomial, within 2 ulp of expf; written so the compiler vectorises it.
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}
+
+// Online-softmax state of one query vector.
+struct State {
+  float max, sum;
+};
+
+// One key or value row as fp32: the row itself for fp32 storage, else converted into `buffer`.
+template <typename T>
+inline const float* row_as_float(const T* base, int64_t at, int D, float* buffer) {
+  for (int d = 0; d < D; ++d) buffer[d] = Scalar<T>::load(base, at + d);
+  return buffer;
+}
+template <>
+inline const float* row_as_float<float>(const float* base, int64_t at, int, float*) {
+  return base + at;
+}
+
+template <int HD>
+inline float dot(const float* a, const float* b, int D) {
+  const int n = HD > 0 ? HD : D;
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int d = 0; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+template <int HD>
+inline void axpy(float* acc, float e, const float* v, int D) {
+  const int n = HD > 0 ? HD : D;
+#pragma omp simd
+  for (int d = 0; d < n; ++d) acc[d] += e * v[d];
+}
+
+// Attend the queries of one item over its key range. HD: the head dim when known at compile time (0: p.head_dim).
+template <typename T, int HD>
+void run_item(const Params& p, const Item& item, size_t slot_stride, float* partial_m, float* partial_l,
+              float* partial_acc) {
+  const int D = HD > 0 ? HD : p.head_dim;
+  const int bs = p.block_size;
+  const int rep = p.num_q_heads / p.num_kv_heads;
+  const int nq = item.q_end - item.q_begin;
+  const int M = nq * rep;  // query vectors of the item
+  const int32_t row_start = p.query_start[item.row];
+  const int32_t row_queries = p.query_start[item.row + 1] - row_start;
+  const int32_t past = p.seq_lens[item.row] - row_queries;  // position of the row's first query
+  const T* query = static_cast<const T*>(p.query);
+  const T* kc = static_cast<const T*>(p.key_cache);
+  const T* vc = static_cast<const T*>(p.value_cache);
+  const int32_t* table = p.block_tables + item.row * p.table_stride;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  std::vector<float> q(static_cast<size_t>(M) * D), acc(static_cast<size_t>(M) * D, 0.0f);
+  std::vector<float> scores(static_cast<size_t>(M) * bs), k_buffer(D), v_buffer(D);
+  std::vector<State> state(M);
+  std::vector<int32_t> lo(M), hi(M);  // keys lo .. hi - 1 are visible to query vector m
+  const bool first_split = item.k_begin == (p.window > 0 ? std::max(0, past + item.q_begin - p.window + 1) : 0);
+  for (int i = 0; i < nq; ++i) {
+    const int32_t pos = past + item.q_begin + i;
+    for (int h = 0; h < rep; ++h) {
+      const int m = i * rep + h;
+      const int head = item.kv_head * rep + h;
+      const int64_t base = static_cast<int64_t>(row_start + item.q_begin + i) * p.q_stride_token +
+                           static_cast<int64_t>(head) * p.q_stride_head;
+      // logits are scaled through the query (one multiply per query, not per key)
+      for (int d = 0; d < D; ++d) q[static_cast<size_t>(m) * D + d] = Scalar<T>::load(query, base + d) * p.scale;
+      lo[m] = p.window > 0 ? std::max(0, pos - p.window + 1) : 0;
+      hi[m] = pos + 1;
+      // a sink takes softmax mass once: in the split holding the row's first keys
+      const bool sink = p.sinks != nullptr && first_split;
+      state[m] = sink ? State{p.sinks[head], 1.0f} : State{neg_inf, 0.0f};
+    }
+  }
+
+  const float softcap = p.softcap;
+  for (int32_t block = item.k_begin / bs; block * bs < item.k_end; ++block) {
+    const int32_t first = std::max(item.k_begin, block * bs), stop = std::min(item.k_end, block * bs + bs);
+    const int n = stop - first;
+    const int64_t block_base = static_cast<int64_t>(table[block]) * p.kv_stride_block +
+                               static_cast<int64_t>(item.kv_head) * p.kv_stride_head +
+                               static_cast<int64_t>(first - block * bs) * p.kv_stride_token;
+    // scores: every key row is read once and met by every query vector that sees it
+    for (int j = 0; j < n; ++j) {
+      const int32_t key = first + j;
+      const float* k = row_as_float(kc, block_base + j * p.kv_stride_token, D, k_buffer.data());
+      for (int m = 0; m < M; ++m) {
+        float* sm = &scores[static_cast<size_t>(m) * bs];
+        if (key < lo[m] || key >= hi[m]) {
+          sm[j] = neg_inf;
+          continue;
+        }
+        float logit = dot<HD>(&q[static_cast<size_t>(m) * D], k, D);
+        if (softcap > 0.0f) logit = std::tanh(logit / softcap) * softcap;
+        sm[j] = logit;
+      }
+    }
+    // online softmax, a block at a time
+    bool any = false;
+    for (int m = 0; m < M; ++m) {
+      float* sm = &scores[static_cast<size_t>(m) * bs];
+      float block_max = neg_inf;
+      for (int j = 0; j < n; ++j) block_max = std::max(block_max, sm[j]);
+      if (block_max == neg_inf) {  // no key of this block is visible to m
+        for (int j = 0; j < n; ++j) sm[j] = 0.0f;
+        continue;
+      }
+      any = true;
+      State& st = state[m];
+      const float new_max = std::max(st.max, block_max);
+      const float alpha = st.max == neg_inf ? 0.0f : exp_nonpositive(st.max - new_max);
+      float block_sum = 0.0f;
+#pragma omp simd reduction(+ : block_sum)
+      for (int j = 0; j < n; ++j) {
+        const float e = sm[j] == neg_inf ? 0.0f : exp_nonpositive(sm[j] - new_max);
+        sm[j] = e;
+        block_sum += e;
+      }
+      st.sum = st.sum * alpha + block_sum;
+      st.max = new_max;
+      if (alpha != 1.0f) {
+        float* am = &acc[static_cast<size_t>(m) * D];
+#pragma omp simd
+        for (int d = 0; d < D; ++d) am[d] *= alpha;
+      }
+    }
+    if (!any) continue;
+    for (int j = 0; j < n; ++j) {
+      const float* v = row_as_float(vc, block_base + j * p.kv_stride_token, D, v_buffer.data());
+      for (int m = 0; m < M; ++m) {
+        const float e = scores[static_cast<size_t>(m) * bs + j];
+        if (e != 0.0f) axpy<HD>(&acc[static_cast<size_t>(m) * D], e, v, D);
+      }
+    }
+  }
+
+  if (item.slot >= 0) {  // a key split: keep the unnormalised state for the merge
+    for (int m = 0; m < M; ++m) {
+      const size_t at = static_cast<size_t>(item.slot) * slot_stride + m;
+      partial_m[at] = state[m].max;
+      partial_l[at] = state[m].sum;
+      std::memcpy(&partial_acc[at * D], &acc[static_cast<size_t>(m) * D], sizeof(float) * D);
+    }
+    return;
+  }
+  T* out = static_cast<T*>(p.out);
+  for (int i = 0; i < nq; ++i) {
+    for (int h = 0; h < rep; ++h) {
+      const int m = i * rep + h;
+      const int head = item.kv_head * rep + h;
+      const float inv = state[m].sum > 0.0f ? 1.0f / state[m].sum : 0.0f;
+      const int64_t base = static_cast<int64_t>(row_start + item.q_begin + i) * p.out_stride_token +
+                           static_cast<int64_t>(head) * p.out_stride_head;
+      for (int d = 0; d < D; ++d) Scalar<T>::store(out, base + d, acc[static_cast<size_t>(m) * D + d] * inv);
+    }
+  }
+}
+
+template <typename T>
+void run_item_any(const Params& p, const Item& item, size_t slot_stride, float* partial_m, float* partial_l,
+                  float* partial_acc) {
+  switch (p.head_dim) {
+    case 64:
+      return run_item<T, 64>(p, item, slot_stride, partial_m, partial_l, partial_acc);
+    case 128:
+      return run_item<T, 128>(p, item, slot_stride, partial_m, partial_l, partial_acc);
+    default:
+      return run_item<T, 0>(p, item, slot_stride, partial_m, partial_l, partial_acc);
+  }
+}
+
+// Merge the key splits of one (row, KV head, query tile) into the output.
+template <typename T>
+void merge_splits(const Params& p, const Item& first, int num_splits, size_t slot_stride, const float* partial_m,
+                  const float* partial_l, const float* partial_acc) {
+  const int D = p.head_dim, rep = p.num_q_heads / p.num_kv_heads;
+  const int nq = first.q_end - first.q_begin, M = nq * rep;
+  const int32_t row_start = p.query_start[first.row];
+  T* out = static_cast<T*>(p.out);
+  std::vector<float> acc(D);
+  for (int m = 0; m < M; ++m) {
+    float max = -std::numeric_limits<float>::infinity();
+    for (int k = 0; k < num_splits; ++k) max = std::max(max, partial_m[static_cast<size_t>(first.slot + k) * slot_stride + m]);
+    float sum = 0.0f;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int k = 0; k < num_splits; ++k) {
+      const size_t at = static_cast<size_t>(first.slot + k) * slot_stride + m;
+      if (partial_m[at] == -std::numeric_limits<float>::infinity()) continue;
+      const float w = std::exp(partial_m[at] - max);
+      sum += partial_l[at] * w;
+      const float* a = &partial_acc[at * D];
+      for (int d = 0; d < D; ++d) acc[d] += a[d] * w;
+    }
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    const int i = m / rep, head = first.kv_head * rep + m % rep;
+    const int64_t base = static_cast<int64_t>(row_start + first.q_begin + i) * p.out_stride_token +
+                         static_cast<int64_t>(head) * p.out_stride_head;
+    for (int d = 0; d < D; ++d) Scalar<T>::store(out, base + d, acc[d] * inv);
+  }
+}
+
+template <typename T>
+int run(const Params& p) {
+  if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0 || p.block_size <= 0 || p.head_dim <= 0) return 1;
+  const int threads = std::max(1, p.num_threads);
+  const int tile = std::max(1, p.query_tile);
+  std::vector<Item> items;
+  int tiles_total = 0;
+  for (int32_t r = 0; r < p.num_rows; ++r) {
+    const int32_t nq = p.query_start[r + 1] - p.query_start[r];
+    tiles_total += (nq + tile - 1) / tile;
+  }
+  const int base_items = tiles_total * p.num_kv_heads;
+  // split keys only while there are fewer items than threads to keep busy
+  const int want_splits = base_items >= 2 * threads ? 1 : (2 * threads + base_items - 1) / std::max(1, base_items);
+  std::vector<std::pair<size_t, int>> groups;  // (first item, splits) of every split (row, head, tile)
+  int32_t slots = 0;
+  for (int32_t r = 0; r < p.num_rows; ++r) {
+    const int32_t start = p.query_start[r], nq = p.query_start[r + 1] - start;
+    const int32_t past = p.seq_lens[r] - nq;
+    if (nq <= 0 || past < 0) continue;
+    for (int32_t q0 = 0; q0 < nq; q0 += tile) {
+      const int32_t q1 = std::min(nq, q0 + tile);
+      const int32_t k_end = past + q1;
+      const int32_t k_begin = p.window > 0 ? std::max(0, past + q0 - p.window + 1) : 0;
+      const int32_t span = k_end - k_begin;
+      int splits = std::min(want_splits, std::max(1, span / std::max(1, p.min_split_keys)));
+      for (int32_t h = 0; h < p.num_kv_heads; ++h) {
+        if (splits <= 1) {
+          items.push_back({r, h, q0, q1, k_begin, k_end, -1});
+          continue;
+        }
+        // split at block edges
+        const int32_t blocks = (k_end - k_begin + p.block_size - 1) / p.block_size;
+        const int32_t per = (blocks + splits - 1) / splits;
+        groups.emplace_back(items.size(), 0);
+        for (int32_t k = k_begin; k < k_end;) {  // splits end at block edges
+          const int32_t end = std::min(k_end, (k / p.block_size + per) * p.block_size);
+          items.push_back({r, h, q0, q1, k, end, slots++});
+          groups.back().second += 1;
+          k = end;
+        }
+      }
+    }
+  }
+  const int rep = p.num_q_heads / p.num_kv_heads;
+  const size_t per_slot = static_cast<size_t>(tile) * rep;
+  std::vector<float> partial_m(slots * per_slot), partial_l(slots * per_slot),
+      partial_acc(slots * per_slot * p.head_dim);
+  const int64_t count = static_cast<int64_t>(items.size());
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (count > 1)
+  for (int64_t i = 0; i < count; ++i) {
+    run_item_any<T>(p, items[i], per_slot, partial_m.data(), partial_l.data(), partial_acc.data());
+  }
+  const int64_t num_groups = static_cast<int64_t>(groups.size());
+#pragma omp parallel for num_threads(threads) if (num_groups > 1)
+  for (int64_t g = 0; g < num_groups; ++g) {
+    merge_splits<T>(p, items[groups[g].first], groups[g].second, per_slot, partial_m.data(), partial_l.data(),
+                    partial_acc.data());
+  }
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 float32, 1 bfloat16, 2 float16. Returns 0 on success.
+int hf_paged_attention(const Params* params, int dtype) {
+  switch (dtype) {
+    case 0:
+      return run<float>(*params);
+    case 1:
+      return run<BF16>(*params);
+    case 2:
+      return run<F16>(*params);
+    default:
+      return 2;
+  }
+}
+
+int hf_paged_abi_version() { return 1; }
+}
