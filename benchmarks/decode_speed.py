@@ -1,11 +1,14 @@
-"""Decode tokens/s of `cache_implementation="paged"` vs `DynamicCache`, measured side by side in one run.
+"""Decode tokens/s of `cache_implementation="paged"` (its default kernel, and `kernel="gather"`) vs `DynamicCache`,
+measured side by side in one run.
 
-For each (model, batch, context) the same prompt is generated with each cache, alternating, `--repeats` times.
-Decode time = time(generate N + 1 new tokens) - time(generate 1 new token), so the prefill is left out; the table
-shows the median. EOS is disabled (`min_new_tokens`) so every run decodes N tokens. "overhead µs/step" is what one
-decode step of the whole batch costs more with the paged cache: batch / paged tok/s - batch / Dynamic tok/s.
+For each (model, batch, context) the same random prompt is generated with each cache in turn, `--repeats` times.
+Decode steps are timed inside the call (a stopping criterion notes the time after every step), so the prefill is
+left out; the table shows the median step. EOS is disabled (`min_new_tokens`) so every run decodes N tokens. The
+pool gets `--pool-memory` of KV (the default 1 GiB holds less than 8 x 4096 tokens of SmolLM2). With prefix caching
+on (the default), repeated paged calls reuse the prompt's blocks and prefill only its last token; decode steps are
+not affected.
 
-Usage: python benchmarks/decode_speed.py [--models tiny smollm2] [--contexts 128 512 1024] [--batches 1 8]
+Usage: python benchmarks/decode_speed.py [--models tiny smollm2] [--contexts 128 512 1024 2048 4096] [--batches 1 8]
 """
 
 from __future__ import annotations
@@ -16,15 +19,36 @@ import time
 
 import torch
 from common import environment, load_model, markdown_table
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_paged  # noqa: F401  (registers cache_implementation="paged")
 
-CACHES = {"DynamicCache": {}, "paged": {"cache_implementation": "paged"}}
-HEADERS = ["model", "batch", "context", "DynamicCache tok/s", "paged tok/s", "paged / Dynamic", "overhead µs/step"]
+HEADERS = [
+    "model",
+    "batch",
+    "context",
+    "DynamicCache tok/s",
+    "paged tok/s",
+    "paged gather tok/s",
+    "paged / Dynamic",
+    "gather / Dynamic",
+]
 
 
-def timed_generate(model, input_ids, new_tokens: int, options: dict) -> float:
-    start = time.perf_counter()
+class StepClock(StoppingCriteria):
+    """Notes the time after every generated token (never stops generation)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def step_seconds(model, input_ids, new_tokens: int, options: dict) -> list[float]:
+    """Seconds of every decode step of one `generate` call (the first token, which the prefill computes, excluded)."""
+    clock = StepClock()
     model.generate(
         input_ids=input_ids,
         attention_mask=torch.ones_like(input_ids),
@@ -32,34 +56,42 @@ def timed_generate(model, input_ids, new_tokens: int, options: dict) -> float:
         min_new_tokens=new_tokens,
         max_new_tokens=new_tokens,
         pad_token_id=0,
+        stopping_criteria=StoppingCriteriaList([clock]),
         **options,
     )
-    return time.perf_counter() - start
+    return [b - a for a, b in zip(clock.times, clock.times[1:])]
 
 
-def decode_seconds(model, input_ids, new_tokens: int, options: dict) -> float:
-    return timed_generate(model, input_ids, new_tokens + 1, options) - timed_generate(model, input_ids, 1, options)
+def caches(pool_memory: str) -> dict[str, dict]:
+    paged = {"cache_implementation": "paged"}
+    return {
+        "DynamicCache": {},
+        "paged": {**paged, "cache_config": {"max_memory": pool_memory}},
+        "gather": {**paged, "cache_config": {"max_memory": pool_memory, "kernel": "gather"}},
+    }
 
 
-def measure(model, batch: int, context: int, new_tokens: int, repeats: int) -> dict[str, float]:
+def measure(model, batch: int, context: int, new_tokens: int, repeats: int, pool_memory: str) -> dict[str, float]:
     generator = torch.Generator().manual_seed(batch * 10_000 + context)
     input_ids = torch.randint(3, model.config.vocab_size, (batch, context), generator=generator)
-    for options in CACHES.values():  # warm-up
-        decode_seconds(model, input_ids, 2, options)
-    samples = {name: [] for name in CACHES}
-    for _ in range(repeats):
-        for name, options in CACHES.items():
-            samples[name].append(decode_seconds(model, input_ids, new_tokens, options))
-    return {name: batch * new_tokens / statistics.median(times) for name, times in samples.items()}
+    options = caches(pool_memory)
+    steps = {name: [] for name in options}
+    for repeat in range(repeats + 1):
+        for name, option in options.items():
+            times = step_seconds(model, input_ids, new_tokens, option)
+            if repeat:  # the first round warms up
+                steps[name].extend(times)
+    return {name: batch / statistics.median(times) for name, times in steps.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["tiny", "smollm2"], choices=["tiny", "smollm2"])
-    parser.add_argument("--contexts", nargs="+", type=int, default=[128, 512, 1024])
+    parser.add_argument("--models", nargs="+", default=["smollm2"], choices=["tiny", "smollm2"])
+    parser.add_argument("--contexts", nargs="+", type=int, default=[128, 512, 1024, 2048, 4096])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
-    parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--pool-memory", default="4GiB")
     args = parser.parse_args()
     print(environment() + "\n")
 
@@ -68,18 +100,17 @@ def main() -> None:
         model, label = load_model(name)
         for batch in args.batches:
             for context in args.contexts:
-                speed = measure(model, batch, context, args.new_tokens, args.repeats)
-                ratio = speed["paged"] / speed["DynamicCache"]
-                overhead_us = (batch / speed["paged"] - batch / speed["DynamicCache"]) * 1e6
+                speed = measure(model, batch, context, args.new_tokens, args.repeats, args.pool_memory)
                 rows.append(
                     [
                         label,
                         batch,
                         context,
-                        f"{speed['DynamicCache']:.0f}",
-                        f"{speed['paged']:.0f}",
-                        f"{ratio:.2f}x",
-                        f"{overhead_us:.0f}",
+                        f"{speed['DynamicCache']:.1f}",
+                        f"{speed['paged']:.1f}",
+                        f"{speed['gather']:.1f}",
+                        f"{speed['paged'] / speed['DynamicCache']:.2f}x",
+                        f"{speed['gather'] / speed['DynamicCache']:.2f}x",
                     ]
                 )
                 print(markdown_table(HEADERS, rows[-1:]).splitlines()[-1], flush=True)

@@ -25,8 +25,11 @@ do. "wall / ceiling with context" adds that attention for the decode steps (most
 runs with a stock `DynamicCache` holding every row's context (contiguous, left-padded to the step's longest, as
 `generate` holds a batch), filled before the timed forward; packed steps stay bare forwards.
 
+"engine_gather" runs the Engine with `kernel="gather"` (K/V copied out of the blocks before attention) instead of
+its default in-place kernel.
+
 Usage: python benchmarks/engine_throughput.py [--model tiny|smollm2] [--requests 200] [--budget-tokens 8192]
-       [--systems engine static generate_batch]
+       [--systems engine engine_gather static generate_batch]
 """
 
 from __future__ import annotations
@@ -105,8 +108,10 @@ def ceiling_seconds(model, forwards: list, vocab_size: int, with_context: bool =
     return total
 
 
-def run_engine(model, requests, budget_tokens: int, block_size: int):
-    engine = hf_paged.Engine(model, block_size=block_size, num_blocks=budget_tokens // block_size, progress=False)
+def run_engine(model, requests, budget_tokens: int, block_size: int, kernel: str = "auto"):
+    engine = hf_paged.Engine(
+        model, block_size=block_size, num_blocks=budget_tokens // block_size, progress=False, kernel=kernel
+    )
     params = [hf_paged.SamplingParams(max_new_tokens=n, eos_token_id=()) for _, n in requests]
     forwards, hook = record_forwards(model, engine)
     start = time.perf_counter()
@@ -122,7 +127,7 @@ def run_engine(model, requests, budget_tokens: int, block_size: int):
     kinds = f"{stats.prefill_steps} prefill, {stats.decode_steps} decode, {mixed} mixed steps"
     extra = (
         f"{stats.preemptions} preemptions, {kinds}, peak {stats.peak_blocks} blocks, "
-        f"{elapsed / max(stats.num_steps, 1) * 1e3:.2f} ms/step"
+        f"{elapsed / max(stats.num_steps, 1) * 1e3:.2f} ms/step, kernel {engine.cache.kernel.backend}"
     )
     engine.close()
     generated = sum(len(o.token_ids) for o in outputs)
@@ -200,7 +205,7 @@ def main() -> None:
         "--systems",
         nargs="+",
         default=["engine", "static", "generate_batch"],
-        choices=["engine", "static", "generate_batch"],
+        choices=["engine", "engine_gather", "static", "generate_batch"],
     )
     args = parser.parse_args()
 
@@ -210,6 +215,10 @@ def main() -> None:
     bytes_per_token = KVShape.from_model(model).bytes_per_token
     systems = {
         "engine": ("hf_paged Engine", lambda: run_engine(model, requests, args.budget_tokens, args.block_size)),
+        "engine_gather": (
+            "hf_paged Engine, kernel='gather'",
+            lambda: run_engine(model, requests, args.budget_tokens, args.block_size, kernel="gather"),
+        ),
         "static": ("stock generate, static batches", lambda: run_static(model, requests, args.budget_tokens)),
         "generate_batch": (
             "transformers generate_batch",

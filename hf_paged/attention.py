@@ -8,72 +8,11 @@ from transformers.masking_utils import sdpa_mask
 
 from .config import ATTENTION_NAME
 from .forward import bound_paged_cache
+from .kernels import in_place_backend
+from .kernels.reference import eager_paged_attention
+from .kernels.reference import repeat_kv as _repeat_kv
 
 __all__ = ["ATTENTION_NAME", "eager_paged_attention", "paged_attention_forward", "paged_attention_mask"]
-
-
-def _repeat_kv(hidden: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """`[B, H_kv, L, D]` -> `[B, H_kv * n_rep, L, D]`, each KV head repeated for its query group."""
-    if n_rep == 1:
-        return hidden
-    batch, num_kv_heads, length, head_dim = hidden.shape
-    hidden = hidden[:, :, None, :, :].expand(batch, num_kv_heads, n_rep, length, head_dim)
-    return hidden.reshape(batch, num_kv_heads * n_rep, length, head_dim)
-
-
-def _causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
-    """Boolean `[1, 1, q_len, kv_len]` mask: query i (at position kv_len - q_len + i) sees keys up to itself."""
-    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
-    return (torch.arange(kv_len, device=device)[None, :] <= q_pos)[None, None]
-
-
-def eager_paged_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    training: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention in plain torch ops, for what SDPA cannot express: logit soft-capping and attention sinks.
-
-    Args:
-        query (`torch.Tensor`): `[B, H_q, q, D]`.
-        key, value (`torch.Tensor`): `[B, H_kv, L, D]`, `H_q` a multiple of `H_kv` (grouped-query attention).
-        attention_mask (`torch.Tensor`, *optional*): boolean (True = attend) or additive float, `[B, 1, q, L]`;
-            `None` means causal.
-        scaling (`float`, *optional*): logit scale, `D ** -0.5` by default.
-        softcap (`float`, *optional*): logits become `softcap * tanh(logits / softcap)`.
-        sinks (`torch.Tensor`, *optional*): one learned logit per head that takes softmax mass but has no value.
-
-    Returns:
-        `(output [B, q, H_q, D], probabilities [B, H_q, q, L])`.
-    """
-    n_rep = query.shape[1] // key.shape[1]
-    key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    logits = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    if attention_mask is None:
-        attention_mask = _causal_mask(query.shape[2], key.shape[2], query.device)
-    attention_mask = attention_mask[:, :, :, : key.shape[2]]
-    if attention_mask.dtype == torch.bool:
-        logits = logits.masked_fill(~attention_mask, torch.finfo(logits.dtype).min)
-    else:
-        logits = logits + attention_mask
-    if sinks is not None:
-        sink_logits = sinks.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[2], 1).to(logits.dtype)
-        logits = torch.cat([logits, sink_logits], dim=-1)
-        logits = logits - logits.max(dim=-1, keepdim=True).values
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)[..., :-1].to(query.dtype)
-    else:
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
-    probs = torch.nn.functional.dropout(probs, p=dropout, training=training)
-    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
 
 
 def paged_attention_forward(
@@ -116,6 +55,12 @@ def paged_attention_forward(
             return _packed_attention(
                 module, query, paged_cache, layer_idx, packed, scaling, dropout, softcap, s_aux, **kwargs
             )
+        if _in_place_possible(module, query, paged_cache, layer_idx, dropout, kwargs) and paged_cache.kernel.takes(
+            query.shape[2]
+        ):
+            out = _in_place_right_aligned(query, paged_cache, layer_idx, attention_mask, scaling, softcap, s_aux)
+            if out is not None:
+                return out, None
         if _groups_possible(query, attention_mask, kwargs):
             groups = paged_cache.key_groups()
             if groups is not None:
@@ -132,8 +77,54 @@ def paged_attention_forward(
                     s_aux,
                     **kwargs,
                 )
+        paged_cache.count_attention("gather")
         key, value = paged_cache.read_layer(layer_idx, new=(key, value))  # the left pads' K/V too, as in stock
     return _attention(module, query, key, value, attention_mask, scaling, dropout, softcap, s_aux, **kwargs)
+
+
+def _in_place_possible(module, query, paged_cache, layer_idx, dropout, kwargs) -> bool:
+    """Whether this attention call may read the blocks in place (`kernels`): a kernel was chosen, no attention
+    probabilities or eager math are asked for, no dropout, and the query is in the pool's dtype on its device."""
+    if not paged_cache.kernel.in_place or kwargs.get("output_attentions") or kwargs.get("eager"):
+        return False
+    if dropout and module.training:
+        return False
+    key_cache, _ = paged_cache.layer_blocks(layer_idx)
+    return in_place_backend(paged_cache.kernel.backend).supports(query, key_cache)
+
+
+def _kernel_call(query, paged_cache, layer_idx, block_tables, seq_lens, query_start, scaling, softcap, s_aux):
+    """The in-place kernel over packed `query` (`[tokens, heads, head_dim]`) of the rows `block_tables` names."""
+    key_cache, value_cache = paged_cache.layer_blocks(layer_idx)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    paged_cache.forward_batch.read_in_place(layer_idx)
+    paged_cache.count_attention(paged_cache.kernel.backend)
+    return in_place_backend(paged_cache.kernel.backend).attention(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start,
+        scale,
+        paged_cache.layer_window(layer_idx),
+        softcap,
+        s_aux,
+    )
+
+
+def _in_place_right_aligned(query, paged_cache, layer_idx, attention_mask, scaling, softcap, s_aux):
+    """Attention of a right-aligned forward read in place, `[batch, new, heads, head_dim]`, or `None` when the
+    model's mask says more than "each row's tokens, causally, in the window" (`ForwardBatch.in_place_readable`)."""
+    batch = paged_cache.forward_batch
+    if not batch.in_place_readable(attention_mask, paged_cache.layer_window(layer_idx)):
+        return None
+    rows, num_heads, num_new, head_dim = query.shape
+    packed = query.transpose(1, 2).reshape(rows * num_new, num_heads, head_dim)
+    block_tables, seq_lens = batch.kernel_tables(layer_idx, query.device)
+    query_start = paged_cache.query_starts(rows, num_new)
+    out = _kernel_call(packed, paged_cache, layer_idx, block_tables, seq_lens, query_start, scaling, softcap, s_aux)
+    return out.view(rows, num_new, num_heads, head_dim)
 
 
 def _groups_possible(query, attention_mask, kwargs) -> bool:
@@ -152,6 +143,7 @@ def _grouped_attention(
 ):
     """Attention of a right-aligned forward whose rows read their keys in groups (`BatchCache.key_groups`): each
     group reads only the positions from its longest row's first one on, under the matching columns of the mask."""
+    paged_cache.count_attention("gather")
     output = None
     for group in groups:
         key, value = paged_cache.read_layer(layer_idx, group.rows, group.start)
@@ -191,8 +183,30 @@ def _packed_attention(module, query, paged_cache, layer_idx, packed, scaling, dr
     num_heads, head_dim = query.shape[1], query.shape[-1]
     window = paged_cache.layer_window(layer_idx)
     output = None  # in the attention's output dtype (under autocast: not the query's)
+    groups = packed.groups
+    kernel = paged_cache.kernel
+    part = None
+    if kernel.in_place and _in_place_possible(module, query, paged_cache, layer_idx, dropout, kwargs):
+        part = packed.in_place_part(kernel.max_queries)
+    if part is not None:
+        tokens = query[0].transpose(0, 1)  # [T, heads, head_dim], a view
+        if part.token_index is not None:
+            tokens = tokens.index_select(0, part.token_index)
+        block_tables, seq_lens = paged_cache.forward_batch.kernel_tables(layer_idx, query.device)
+        if part.token_index is not None:
+            block_tables, seq_lens = block_tables.index_select(0, part.rows), seq_lens.index_select(0, part.rows)
+        out = _kernel_call(
+            tokens, paged_cache, layer_idx, block_tables, seq_lens, part.query_start, scaling, softcap, s_aux
+        )
+        if part.token_index is None:
+            return out[None], None
+        output = out.new_empty(query.shape[2], num_heads, head_dim)
+        output.index_copy_(0, part.token_index, out)
+        groups = part.rest
     whole = len(packed.groups) == 1
-    for group in packed.groups:
+    if groups:
+        paged_cache.count_attention("gather")
+    for group in groups:
         rows, width = group.rows.numel(), group.width
         per_row = query[0].index_select(1, group.unpack_index).view(num_heads, rows, width, head_dim).transpose(0, 1)
         keys, values = paged_cache.read_layer(layer_idx, None if whole else group.rows, 0, group.key_length)

@@ -3,6 +3,7 @@ layer reads its K/V from. The cache writes and reads through it; it takes no blo
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -128,6 +129,24 @@ class QueryGroup:
         return self._masks[window]
 
 
+@dataclass(frozen=True)
+class InPlacePart:
+    """The rows of a packed forward whose attention an in-place kernel computes (`PackedRows.in_place_part`).
+
+    Attributes:
+        rows (`torch.Tensor`): `[rows]` batch indices of the rows, in the order the kernel sees them.
+        query_start (`torch.Tensor`): int32 `[rows + 1]`: where each row's queries start in the kernel's queries.
+        token_index (`torch.Tensor`, *optional*): packed indices of those queries (`None`: every token of the
+            forward, in packed order).
+        rest (`list[QueryGroup]`): the query groups that gather instead.
+    """
+
+    rows: torch.Tensor
+    query_start: torch.Tensor
+    token_index: torch.Tensor | None
+    rest: list
+
+
 GROUPINGS = ("log2", "one", "rows")
 
 
@@ -158,6 +177,7 @@ class PackedRows:
     counts: list[int]
     starts: list[int]
     groups: list[QueryGroup]
+    _in_place: dict = field(default_factory=dict)
 
     @classmethod
     def of(
@@ -210,6 +230,25 @@ class PackedRows:
     def num_tokens(self) -> int:
         return sum(self.counts)
 
+    def in_place_part(self, max_queries: int | None) -> InPlacePart | None:
+        """The rows an in-place kernel attends for: those of every query group at most `max_queries` wide (`None`:
+        every group), with the query groups left to gather; `None` when no group qualifies. Computed once per
+        forward for all layers."""
+        if max_queries not in self._in_place:
+            taken = [g for g in self.groups if max_queries is None or g.width <= max_queries]
+            part = None
+            if taken:
+                device = taken[0].rows.device
+                rows = torch.cat([g.rows for g in taken]) if len(taken) > 1 else taken[0].rows
+                counts = [self.counts[row] for row in rows.tolist()]
+                query_start = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32, device=device)
+                whole = len(taken) == len(self.groups) and rows.tolist() == list(range(len(self.counts)))
+                token_index = None if whole else torch.cat([g.token_index for g in taken])
+                rest = [g for g in self.groups if not (max_queries is None or g.width <= max_queries)]
+                part = InPlacePart(rows, query_start, token_index, rest)
+            self._in_place[max_queries] = part
+        return self._in_place[max_queries]
+
     @property
     def last_token_index(self) -> torch.Tensor:
         """`[rows]` packed index of every row's last new token (whose logits sample the row's next token)."""
@@ -249,6 +288,8 @@ class ForwardBatch:
     layers_read: set[int] = field(default_factory=set)
     last_layer: int | None = None
     _key_groups: dict = field(default_factory=dict)
+    _kernel_tables: dict = field(default_factory=dict)
+    _causal_masks: dict = field(default_factory=dict)
 
     @property
     def length(self) -> int:
@@ -304,6 +345,68 @@ class ForwardBatch:
             keys[:, :, -count:], values[:, :, -count:] = new
         return keys, values
 
+    def read_in_place(self, layer_idx: int) -> None:
+        """Note that `layer_idx`'s attention reads its K/V where they lie (a kernel), not through `read`."""
+        if layer_idx not in self.layers_written:
+            raise RuntimeError(f"layer {layer_idx} did not write its K/V in this forward")
+        self.layers_read.add(layer_idx)
+
+    def kernel_tables(self, layer_idx: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(block_tables, seq_lens)` of `layer_idx`'s layer group for a paged-attention kernel: int32
+        `[rows, max blocks]` (blocks a window skipped, and the entries past a row's end, name its first live block)
+        and int32 `[rows]` tokens of every row after this forward. Built once per forward and group."""
+        group = self.layout.group_of[layer_idx]
+        key = (group, device)
+        if key not in self._kernel_tables:
+            tables = [row.tables[group] for row in self.rows]
+            blocks, _ = _live_blocks(tables, device, torch.int32)
+            lengths = torch.tensor([table.num_tokens for table in tables], dtype=torch.int32, device=device)
+            self._kernel_tables[key] = blocks, lengths
+        return self._kernel_tables[key]
+
+    def in_place_readable(self, attention_mask: torch.Tensor | None, window: int | None) -> bool:
+        """Whether a kernel reading each row's tokens `0 .. length - 1` causally (within `window`) attends exactly as
+        `attention_mask` (the model's mask of this right-aligned forward, `[batch, 1, num_new, width]` over the last
+        `width` padded positions) says: every new position is a real token (no left pad among the queries) and the
+        mask hides exactly the left pads, the future and what lies outside the window (no hole, no custom mask).
+        Checked once per mask tensor and forward."""
+        entry = self._causal_masks.get(id(attention_mask))
+        if entry is not None and entry[0] is attention_mask:
+            return entry[1]
+        readable = self._mask_is_causal(attention_mask, window)
+        self._causal_masks[id(attention_mask)] = (attention_mask, readable)  # the reference keeps the id unique
+        return readable
+
+    def _mask_is_causal(self, attention_mask: torch.Tensor | None, window: int | None) -> bool:
+        if self.packed is not None or min(row.num_tokens for row in self.rows) < self.num_new:
+            return False
+        pads = self.leading_pads
+        if attention_mask is None:
+            return not any(pads)
+        batch, num_new, length = self.batch_size, self.num_new, self.length
+        if attention_mask.dim() != 4 or tuple(attention_mask.shape[:3]) != (batch, 1, num_new):
+            return False
+        width = attention_mask.shape[-1]
+        if width > length:
+            return False
+        if width < length and min(pads) < length - width and (window is None or width - num_new + 1 < window):
+            return False  # positions before the mask's columns would be visible to the kernel
+        if attention_mask.dtype == torch.bool:
+            visible = attention_mask[:, 0]
+        elif attention_mask.is_floating_point():
+            visible = attention_mask[:, 0] == 0
+            if not bool(((attention_mask == 0) | (attention_mask == torch.finfo(attention_mask.dtype).min)).all()):
+                return False
+        else:
+            return False
+        device = attention_mask.device
+        keys = torch.arange(length - width, length, device=device)[None, None, :]
+        queries = torch.arange(length - num_new, length, device=device)[None, :, None]
+        expected = (keys <= queries) & (keys >= torch.tensor(pads, device=device)[:, None, None])
+        if window is not None:
+            expected &= queries - keys < window
+        return torch.equal(visible, expected)
+
     def key_groups(self, cost: int) -> list[KeyGroup] | None:
         """How the rows of a right-aligned forward split to read their keys (`key_groups.split_by_length`, each
         group from its longest row's first position on), or `None` when one group of all rows reads best."""
@@ -338,7 +441,7 @@ class ForwardBatch:
         return last
 
 
-def _live_blocks(tables: list[BlockTable], device) -> tuple[torch.Tensor, list[int]]:
+def _live_blocks(tables: list[BlockTable], device, dtype: torch.dtype = torch.long) -> tuple[torch.Tensor, list[int]]:
     """`[rows, max blocks]` block ids of `tables`, every skipped or missing entry replaced by the row's first live
     block (always written, so reading it is safe; the mask hides those positions), and each table's skipped count."""
     num_cols = max(len(t.block_ids) for t in tables)
@@ -348,7 +451,7 @@ def _live_blocks(tables: list[BlockTable], device) -> tuple[torch.Tensor, list[i
             [t.block_ids[first]] * first + t.block_ids[first:] + [t.block_ids[first]] * (num_cols - len(t.block_ids))
             for t, first in zip(tables, skipped)
         ],
-        dtype=torch.long,
+        dtype=dtype,
         device=device,
     )
     return blocks, skipped

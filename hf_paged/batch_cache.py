@@ -10,6 +10,7 @@ from transformers.cache_utils import Cache
 from .batch import ForwardBatch, ForwardInputs, address_tables
 from .forward import ForwardBoundCache, attach_to_model
 from .groups import KVLayout
+from .kernels import KernelChoice, resolve_kernel
 from .layer import PagedLayer
 from .planner import ForwardPlanner
 from .pool import BlockPool
@@ -30,10 +31,16 @@ class BatchCache(Cache, ForwardBoundCache):
     Args:
         model (`PreTrainedModel`): the model whose forwards use this cache.
         planner (`ForwardPlanner`): plans the batches (its pool and layout are the cache's).
+        kernel (`str`, *optional*): the paged-attention backend (`cache_config` `kernel`: `"auto"`, `"gather"`,
+            `"cpu"`; default `kernels.DEFAULT_KERNEL`), resolved for the model's device (see `kernels`).
 
     Attributes:
         eager_math (`bool`): the `"hf_paged"` attention computes in eager attention's plain torch ops instead of SDPA
             (the Engine sets it for a model set to eager attention, so its outputs stay those of stock eager).
+        kernel (`KernelChoice`): the backend the `"hf_paged"` attention calls, and for which shapes.
+        attention_calls (`dict[str, int]`): attention calls (one per layer and forward) by the backend that ran
+            them (`"gather"` or an in-place backend such as `"cpu"`); a packed forward split between both counts
+            once for each.
 
     Example:
 
@@ -55,7 +62,7 @@ class BatchCache(Cache, ForwardBoundCache):
     ```
     """
 
-    def __init__(self, model: torch.nn.Module, planner: ForwardPlanner):
+    def __init__(self, model: torch.nn.Module, planner: ForwardPlanner, kernel: str | None = None):
         layout = planner.layout
         super().__init__(layers=[PagedLayer(self, i, window) for i, window in enumerate(layout.layer_windows)])
         self.planner = planner
@@ -66,6 +73,9 @@ class BatchCache(Cache, ForwardBoundCache):
         self._batch: ForwardBatch | None = None
         self._layers_per_forward = 0  # most layers seen writing in one forward
         self.eager_math = False
+        self.kernel: KernelChoice = resolve_kernel(kernel, _model_device(model))
+        self.attention_calls: dict[str, int] = {}
+        self._query_starts: dict[tuple[int, int], torch.Tensor] = {}
         attach_to_model(model)
 
     # ------------------------------------------------------------------ views
@@ -264,6 +274,26 @@ class BatchCache(Cache, ForwardBoundCache):
             return last
         return module_layer if module_layer in batch.layers_written else None
 
+    @property
+    def forward_batch(self) -> ForwardBatch | None:
+        """The running forward's `ForwardBatch` (`None` between forwards)."""
+        return self._batch
+
+    def layer_blocks(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V blocks of `layer_idx` as they lie, `[num_blocks, block_size, num_kv_heads, head_dim]`."""
+        return self.pool.storage.layer_tensors(layer_idx)
+
+    def query_starts(self, rows: int, num_new: int) -> torch.Tensor:
+        """int32 `[rows + 1]` query starts of `rows` rows of `num_new` queries each (cached)."""
+        key = (rows, num_new)
+        if key not in self._query_starts:
+            self._query_starts[key] = torch.arange(0, (rows + 1) * num_new, num_new, dtype=torch.int32)
+        return self._query_starts[key]
+
+    def count_attention(self, backend: str) -> None:
+        """Count one attention call run by `backend` (see `attention_calls`)."""
+        self.attention_calls[backend] = self.attention_calls.get(backend, 0) + 1
+
     def packed_rows(self):
         """The `PackedRows` of the running forward when its tokens are packed (no pad position), else `None`."""
         return None if self._batch is None else self._batch.packed
@@ -326,6 +356,11 @@ class BatchCache(Cache, ForwardBoundCache):
                 f"this {type(self).__name__} was built for a {self._model_name} (id {id(owner):#x}) and cannot be "
                 f"used with a {type(model).__name__} (id {id(model):#x}); build one per model"
             )
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    parameter = next(model.parameters(), None)
+    return torch.device("cpu") if parameter is None else parameter.device
 
 
 def _same_tensor(given: torch.Tensor, returned: torch.Tensor) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,9 @@ class CacheStats:
         cow_copies (`int`): blocks copied because a row wrote into a shared block.
         prefix_tokens_reused (`int`): prompt tokens taken from the prefix cache instead of being computed.
         block_size (`int`): tokens per block.
+        attention_kernel (`str`): the paged-attention backend the `"hf_paged"` attention calls (`"cpu"`: the
+            blocks are read in place; `"gather"`: K/V are copied out of them first), see `kernels`.
+        attention_calls (`dict[str, int]`): attention calls (per layer and forward) by the backend that ran them.
     """
 
     num_rows: int
@@ -43,6 +46,8 @@ class CacheStats:
     cow_copies: int
     prefix_tokens_reused: int
     block_size: int
+    attention_kernel: str = "gather"
+    attention_calls: dict = field(default_factory=dict, repr=False)
 
 
 class PagedCache(BatchCache):
@@ -95,7 +100,7 @@ class PagedCache(BatchCache):
 
     def __init__(self, model: torch.nn.Module, **cache_config):
         self.cache_config = PagedCacheConfig.from_dict(cache_config)
-        super().__init__(model, ForwardPlanner.for_model(model, self.cache_config))
+        super().__init__(model, ForwardPlanner.for_model(model, self.cache_config), self.cache_config.kernel)
         pool = self.pool
         self._rows: list[Row] = []  # owned: freed by reset/release, or by the finalizer when the cache is dropped
         self._seq_length = 0
@@ -147,6 +152,8 @@ class PagedCache(BatchCache):
             cow_copies=self._cow_copies,
             prefix_tokens_reused=self._prefix_reused,
             block_size=block_size,
+            attention_kernel=self.kernel.backend,
+            attention_calls=dict(self.attention_calls),
         )
 
     def _note_peak_blocks(self) -> None:
@@ -521,5 +528,5 @@ class PagedCache(BatchCache):
         blocks = sum(len(row.live_block_ids) for row in self._rows)
         return (
             f"PagedCache(rows={len(self._rows)}, seq_length={self._seq_length}, "
-            f"block_size={self.pool.block_size}, blocks={blocks})"
+            f"block_size={self.pool.block_size}, blocks={blocks}, kernel={self.kernel.backend!r})"
         )

@@ -6,6 +6,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
+from .kernels import check_kernel_name
+
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CPU_KV_BYTES = 1024**3
 DEFAULT_MAX_BLOCKS = 65536  # cap of the default sizing only (explicit num_blocks / max_memory are not capped)
@@ -72,6 +74,10 @@ class PagedCacheConfig:
             (default, reads K/V through the block tables) or a stock one such as `"sdpa"` or `"eager"`.
         prefix_caching (`bool`, *optional*): share full blocks by content across sequences and calls, and skip the
             prefill of a cached prompt prefix (default True).
+        kernel (`str`, *optional*): the paged-attention backend of the `"hf_paged"` attention: `"auto"` (default:
+            read the blocks in place where this device has a kernel, choosing per shape), `"gather"` (copy each
+            row's K/V out of the blocks, then SDPA: the reference) or `"cpu"` (always the in-place CPU kernel where
+            it can run). See `hf_paged.kernels`.
 
     Example:
 
@@ -88,6 +94,7 @@ class PagedCacheConfig:
     memory_fraction: float | None = None
     attn_implementation: str | None = None
     prefix_caching: bool | None = None
+    kernel: str | None = None
 
     @classmethod
     def from_dict(cls, options: dict | PagedCacheConfig | None) -> PagedCacheConfig:
@@ -129,6 +136,8 @@ class PagedCacheConfig:
             raise ValueError(f"cache_config memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.prefix_caching is not None and not isinstance(self.prefix_caching, bool):
             raise TypeError(f"cache_config prefix_caching must be True or False, got {self.prefix_caching!r}")
+        if self.kernel is not None:
+            check_kernel_name(self.kernel)
         if self.attn_implementation is not None and not isinstance(self.attn_implementation, str):
             raise TypeError(f"cache_config attn_implementation must be a string, got {self.attn_implementation!r}")
 

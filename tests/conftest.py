@@ -13,6 +13,28 @@ from hf_paged.reference_models import load_smollm2, tiny_model
 # HF_PAGED_LONG_TESTS=1: the long profile of the randomized tests (more state-machine steps, more fuzz cases)
 LONG_TESTS = os.environ.get("HF_PAGED_LONG_TESTS") == "1"
 
+# modules marked `pytestmark = pytest.mark.kernel_matrix` run every test once per paged-attention kernel: the default
+# ("auto": in place where this machine has a kernel) and the gather reference
+KERNEL_MATRIX = ("auto", "gather")
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.definition.get_closest_marker("kernel_matrix") is not None:
+        metafunc.parametrize("paged_kernel", KERNEL_MATRIX, indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def paged_kernel(request, monkeypatch):
+    """The kernel `cache_config` leaves unset means in this test (`hf_paged.kernels.DEFAULT_KERNEL`)."""
+    kernel = getattr(request, "param", None)
+    if kernel is not None:
+        monkeypatch.setattr(hf_paged.kernels, "DEFAULT_KERNEL", kernel)
+        # blocks cached by a test on the other kernel hold K/V of its rounding (~1e-7 apart): start from none, so
+        # "bitwise under gather" compares gather with stock
+        for pool in hf_paged.live_pools():
+            pool.clear_prefix_cache()
+    return kernel or hf_paged.kernels.DEFAULT_KERNEL
+
 
 @pytest.fixture(autouse=True)
 def pools_stay_consistent():

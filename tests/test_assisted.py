@@ -11,6 +11,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from hf_paged import PagedCache, get_pool
 from hf_paged.reference_models import tiny_model
 
+pytestmark = pytest.mark.kernel_matrix  # every test runs on the in-place kernel and on gather
+
 
 @pytest.mark.parametrize("cached_prompt", [False, True], ids=["cold", "prompt-cached"])
 def test_prompt_lookup_and_assistant_model_match_greedy(cached_prompt):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_paged.attention import _causal_mask, eager_paged_attention, paged_attention_forward
+from hf_paged.attention import eager_paged_attention, paged_attention_forward
+from hf_paged.kernels.reference import causal_mask as _causal_mask
 
 
 class BareModule(torch.nn.Module):
@@ -97,3 +98,159 @@ def test_an_attention_whose_layer_wrote_nothing_attends_over_what_it_is_given(ll
     finally:
         hook.remove()
     assert checked == [True] * 3
+
+
+# ---------------------------------------------------------------------- reading the blocks in place
+def paged_generate(model, input_ids, attention_mask, kernel, **options):
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=8,
+        do_sample=False,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_scores=True,
+        cache_implementation="paged",
+        cache_config={"kernel": kernel, "block_size": 4, **options},
+    )
+    cache = out.past_key_values
+    calls = dict(cache.attention_calls)
+    cache.release()
+    return out, calls
+
+
+def test_decode_steps_read_the_blocks_in_place_and_match_stock():
+    import hf_paged  # noqa: F401
+    from hf_paged.reference_models import tiny_model
+
+    from .conftest import left_padded_batch
+
+    model = tiny_model("llama")
+    input_ids, attention_mask = left_padded_batch([5, 11, 8], seed=4)
+    stock = model.generate(
+        input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=8, do_sample=False, pad_token_id=0
+    )
+    out, calls = paged_generate(model, input_ids, attention_mask, "cpu")
+    assert torch.equal(out.sequences, stock)
+    assert calls == {"gather": 2, "cpu": 14}  # the left-padded prefill gathers; 7 decode steps x 2 layers in place
+
+
+def test_a_mask_with_a_hole_is_not_read_in_place():
+    # a zero inside a row's mask: stock never attends to that position; a kernel reading "every token of the row"
+    # would. The mask check sends those decode steps to the gather path, which follows the mask.
+    import hf_paged.batch
+    from hf_paged.reference_models import tiny_model
+
+    model = tiny_model("llama")
+    input_ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(1))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, 4] = 0
+    stock = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=8,
+        do_sample=False,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
+    out, calls = paged_generate(model, input_ids, attention_mask, "cpu")
+    assert torch.equal(out.sequences, stock.sequences) and "cpu" not in calls
+    # negative control: trusting such a mask reads the hidden position, and the scores move
+    original = hf_paged.batch.ForwardBatch.in_place_readable
+    hf_paged.batch.ForwardBatch.in_place_readable = lambda self, mask, window: True
+    try:
+        trusted, calls = paged_generate(model, input_ids, attention_mask, "cpu")
+    finally:
+        hf_paged.batch.ForwardBatch.in_place_readable = original
+    assert calls.get("cpu")
+    gap = max((a[1] - b[1]).abs().max().item() for a, b in zip(stock.scores[1:], trusted.scores[1:]))
+    assert gap > 1e-3
+
+
+def test_softcap_and_sliding_layers_read_in_place_match_eager_stock():
+    # Gemma2: alternating sliding (window 6) and full layers, logit soft-capping; stock runs it in eager attention
+    from hf_paged.reference_models import tiny_model
+
+    from .conftest import left_padded_batch
+
+    model = tiny_model("gemma2")
+    input_ids, attention_mask = left_padded_batch([5, 11, 8], seed=2)
+    stock = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=8,
+        do_sample=False,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
+    out, calls = paged_generate(model, input_ids, attention_mask, "cpu", attn_implementation="hf_paged")
+    assert torch.equal(out.sequences, stock.sequences) and calls["cpu"] == 14
+    gap = max((a - b).abs().max().item() for a, b in zip(stock.scores, out.scores))
+    assert gap <= 1e-5
+
+
+def test_attention_sinks_read_in_place_match_stock():
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    config = GptOssConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"],
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    model = GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_()  # sinks that matter
+    input_ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(3))
+    stock = model.generate(
+        input_ids=input_ids, max_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_scores=True
+    )
+    out, calls = paged_generate(model, input_ids, torch.ones_like(input_ids), "cpu", attn_implementation="hf_paged")
+    assert torch.equal(out.sequences, stock.sequences) and calls.get("cpu")
+    assert max((a - b).abs().max().item() for a, b in zip(stock.scores, out.scores)) <= 1e-5
+
+
+def test_engine_packed_steps_split_between_the_kernel_and_gather():
+    import hf_paged
+    from hf_paged.kernels import AUTO_CPU_MAX_QUERIES
+    from hf_paged.reference_models import tiny_model
+
+    model = tiny_model("llama")
+    engine = hf_paged.Engine(model, block_size=4, num_blocks=256, progress=False, max_prefill_tokens=64)
+    prompts = [[5 + i] * length for i, length in enumerate([3, 40, 7, 2, 25])]
+    outputs = engine.generate(prompts, [hf_paged.SamplingParams(max_new_tokens=6, eos_token_id=())] * 5)
+    calls = engine.cache.attention_calls
+    assert engine.cache.kernel.max_queries == AUTO_CPU_MAX_QUERIES
+    # decoding rows and short chunks in place; the chunks of the 40- and 25-token prompts gather
+    assert calls["cpu"] > 0 and calls["gather"] > 0
+    for prompt, output in zip(prompts, outputs):
+        stock = model.generate(
+            torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
+        assert output.token_ids == stock[0, len(prompt) :].tolist()
+    engine.close()
+
+
+def test_stats_and_repr_name_the_kernel():
+    import hf_paged
+    from hf_paged.reference_models import tiny_model
+
+    model = tiny_model("llama")
+    cache = hf_paged.PagedCache(model, kernel="gather")
+    assert "kernel='gather'" in repr(cache) and cache.stats().attention_kernel == "gather"
+    cache.release()
+    with pytest.raises(ValueError, match=r"kernel must be one of \['auto', 'gather', 'cpu'\], got 'triton'"):
+        hf_paged.PagedCache(model, kernel="triton")

@@ -9,6 +9,9 @@ from hf_paged import PagedCache, get_pool
 from hf_paged.reference_models import tiny_model
 
 from .conftest import left_padded_batch
+from .exactness import assert_scores_match
+
+pytestmark = pytest.mark.kernel_matrix  # every test runs on the in-place kernel and on gather
 
 LENGTHS = [5, 11, 8]  # a left-padded batch of three prompts
 BEAM_CASES = [
@@ -48,7 +51,7 @@ def test_beam_search_is_token_and_score_identical(family_model, case):
         no_repeat_ngram_size=3 if case % 2 else 0,
     )
     assert torch.equal(reference.sequences, paged.sequences)
-    assert torch.equal(reference.sequences_scores, paged.sequences_scores)
+    assert_scores_match(reference.sequences_scores, paged.sequences_scores)
     assert paged.sequences.shape[0] == 3 * num_return
     paged.past_key_values.release()
     assert get_pool(family_model).stats().num_used == 0
@@ -187,7 +190,7 @@ def test_negative_control_without_copy_on_write_beams_corrupt_each_other():
         broken = model.generate(**kwargs, cache_implementation="paged")
     finally:
         del allocator._needs_copy_on_write
-    assert not torch.equal(reference.sequences_scores, broken.sequences_scores)
+    assert (reference.sequences_scores - broken.sequences_scores).abs().max() > 1e-3
     broken.past_key_values.release()
     assert get_pool(model).stats().num_used == 0
 
@@ -205,7 +208,7 @@ def test_beam_search_on_smollm2(smollm2):
     reference = model.generate(**kwargs)
     paged = model.generate(**kwargs, cache_implementation="paged")
     assert torch.equal(reference.sequences, paged.sequences)
-    assert torch.equal(reference.sequences_scores, paged.sequences_scores)
+    assert_scores_match(reference.sequences_scores, paged.sequences_scores)
     stats = paged.past_key_values.stats()
     assert stats.cow_copies > 0 and stats.peak_blocks < 8 * -(-paged.sequences.shape[1] // 16)
     paged.past_key_values.release()

@@ -16,6 +16,8 @@ from hf_paged import Engine
 from hf_paged.engine.scheduler import Step
 from hf_paged.reference_models import tiny_model
 
+pytestmark = pytest.mark.kernel_matrix  # every test runs on the in-place kernel and on gather
+
 
 def mixed_prompts(count: int, vocab_size: int, seed: int = 0, longest: int = 40, most_new: int = 24):
     rng = random.Random(seed)

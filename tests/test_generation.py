@@ -19,6 +19,9 @@ from hf_paged import PagedCache, get_pool
 from hf_paged.reference_models import tiny_model
 
 from .conftest import left_padded_batch
+from .exactness import assert_scores_match
+
+pytestmark = pytest.mark.kernel_matrix  # every test runs on the in-place kernel and on gather
 
 LENGTHS = [5, 11, 8, 14]  # none a multiple of 3 or 16
 
@@ -101,19 +104,29 @@ def test_stock_attention_reads_a_paged_cache(implementation):
     release(paged)
 
 
-def test_hf_paged_attention_reads_through_block_tables(llama, monkeypatch):
+@pytest.mark.parametrize("kernel", ["gather", "cpu"])
+def test_hf_paged_attention_reads_through_block_tables(llama, monkeypatch, kernel):
     reads = []
     original = PagedCache.read_layer
     monkeypatch.setattr(PagedCache, "read_layer", lambda self, i, **kw: reads.append(i) or original(self, i, **kw))
     input_ids, attention_mask = left_padded_batch([3, 6])
-    llama.generate(
+    out = llama.generate(
         input_ids=input_ids,
         attention_mask=attention_mask,
         max_new_tokens=4,
         pad_token_id=0,
         cache_implementation="paged",
+        cache_config={"kernel": kernel},
+        return_dict_in_generate=True,
     )
-    assert reads == [0, 1] * 4  # every layer of every forward (prefill + 3 decode steps)
+    calls = out.past_key_values.attention_calls
+    out.past_key_values.release()
+    if kernel == "gather":
+        assert reads == [0, 1] * 4  # every layer of every forward (prefill + 3 decode steps)
+        assert calls == {"gather": 8}
+    else:  # the left-padded prefill gathers (its pad queries see the pads' K/V, never stored); decode reads in place
+        assert reads == [0, 1]
+        assert calls == {"gather": 2, "cpu": 6}
 
 
 # ---------------------------------------------------------------------- generation config route and explicit cache
@@ -208,7 +221,8 @@ def test_logits_processors_stopping_criteria_and_scores(llama):
 
     reference, paged = run(), run(cache_implementation="paged")
     assert torch.equal(reference.sequences, paged.sequences) and paged.sequences.shape == (4, 20)
-    assert all(torch.equal(a, b) for a, b in zip(reference.scores, paged.scores))
+    for a, b in zip(reference.scores, paged.scores, strict=True):
+        assert_scores_match(a, b)
     release(paged)
 
 

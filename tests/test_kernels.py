@@ -56,12 +56,21 @@ def random_call(
 def max_error(call, dtype=torch.float32, **options) -> float:
     query, key_cache, value_cache, tables, lengths, starts = call
     scale = query.shape[-1] ** -0.5
-    got = kernels.paged_attention(query, key_cache, value_cache, tables, lengths, starts, scale=scale, kernel="cpu",
-                                  **options)
+    got = kernels.paged_attention(
+        query, key_cache, value_cache, tables, lengths, starts, scale=scale, kernel="cpu", **options
+    )
     # the reference in fp32, from the same (rounded) inputs
     want = gather_paged_attention(
-        query.float(), key_cache.float(), value_cache.float(), tables, lengths, starts, scale,
-        options.get("window"), options.get("softcap"), options.get("sinks"),
+        query.float(),
+        key_cache.float(),
+        value_cache.float(),
+        tables,
+        lengths,
+        starts,
+        scale,
+        options.get("window"),
+        options.get("softcap"),
+        options.get("sinks"),
     )
     assert got.shape == query.shape and got.dtype == query.dtype
     return (got.float() - want).abs().max().item()
@@ -93,11 +102,20 @@ def rows(draw, max_rows=5, max_length=300):
     split_keys=st.sampled_from([None, 8, 50]),
     seed=st.integers(0, 2**16),
 )
-def test_cpu_kernel_matches_the_reference(shape, group, head_dim, block_size, window, softcap, sinks, shared_prefix,
-                                          split_keys, seed):
+def test_cpu_kernel_matches_the_reference(
+    shape, group, head_dim, block_size, window, softcap, sinks, shared_prefix, split_keys, seed
+):
     lengths, counts = shape
-    call = random_call(seed, lengths, counts, kv_heads=2, group=group, head_dim=head_dim, block_size=block_size,
-                       shared_prefix=shared_prefix)
+    call = random_call(
+        seed,
+        lengths,
+        counts,
+        kv_heads=2,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+        shared_prefix=shared_prefix,
+    )
     sink_logits = torch.randn(2 * group, generator=torch.Generator().manual_seed(seed)) if sinks else None
     default = cpu.MIN_SPLIT_KEYS
     cpu.MIN_SPLIT_KEYS = split_keys or default  # small: rows split their keys over the threads much more often

@@ -17,6 +17,8 @@ from hf_paged.reference_models import TINY_FAMILIES, tiny_model
 
 from .conftest import left_padded_batch
 
+pytestmark = pytest.mark.kernel_matrix  # every test runs on the in-place kernel and on gather
+
 CACHE = {"block_size": 4, "num_blocks": 256}  # small blocks: every row spans several; a small pool checks fast
 TOLERANCE = 1e-5
 MAX_NEW_TOKENS = 10

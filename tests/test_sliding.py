@@ -17,6 +17,8 @@ from hf_paged.visual import pool_snapshot
 
 from .conftest import left_padded_batch
 
+pytestmark = pytest.mark.kernel_matrix  # every test runs on the in-place kernel and on gather
+
 WINDOW = 32
 BLOCK_SIZE = 8
 NEW_TOKENS = 400

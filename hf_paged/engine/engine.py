@@ -113,7 +113,7 @@ class Engine:
         self.cache_config = PagedCacheConfig.from_dict(cache_config)
         self.planner = ForwardPlanner.for_model(model, self.cache_config)
         self.pool = self.planner.pool
-        self.cache = BatchCache(model, self.planner)
+        self.cache = BatchCache(model, self.planner, self.cache_config.kernel)
         text_config = model.config.get_text_config(decoder=True)
         self.max_context = getattr(text_config, "max_position_embeddings", None)
         self.pad_token_id = _pad_token_id(model, tokenizer)

@@ -67,8 +67,12 @@ def _compiler_version(cxx: str) -> str:
 def library_path(source: Path, cxx: str) -> Path:
     """The cached build of `source` for this compiler and CPU."""
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(CXX_FLAGS).encode(), _compiler_version(cxx).encode(),
-                 _cpu_flags().encode()):
+    for part in (
+        source.read_bytes(),
+        " ".join(CXX_FLAGS).encode(),
+        _compiler_version(cxx).encode(),
+        _cpu_flags().encode(),
+    ):
         digest.update(part)
     return cache_dir() / f"{source.stem}-{digest.hexdigest()[:16]}.so"
 

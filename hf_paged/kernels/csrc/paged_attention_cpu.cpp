@@ -195,6 +195,20 @@ void run_item(const Params& p, const Item& item, size_t slot_stride, float* part
     const int64_t block_base = static_cast<int64_t>(table[block]) * p.kv_stride_block +
                                static_cast<int64_t>(item.kv_head) * p.kv_stride_head +
                                static_cast<int64_t>(first - block * bs) * p.kv_stride_token;
+    // ask for the next block's rows while this one is computed (blocks lie anywhere in the pool)
+    if ((block + 1) * bs < item.k_end) {
+      const int64_t next = static_cast<int64_t>(table[block + 1]) * p.kv_stride_block +
+                           static_cast<int64_t>(item.kv_head) * p.kv_stride_head;
+      const int row_bytes = D * static_cast<int>(sizeof(T));
+      for (int j = 0; j < bs; ++j) {
+        const char* k_row = reinterpret_cast<const char*>(kc + next + j * p.kv_stride_token);
+        const char* v_row = reinterpret_cast<const char*>(vc + next + j * p.kv_stride_token);
+        for (int byte = 0; byte < row_bytes; byte += 64) {
+          __builtin_prefetch(k_row + byte);
+          __builtin_prefetch(v_row + byte);
+        }
+      }
+    }
     // scores: every key row is read once and met by every query vector that sees it
     for (int j = 0; j < n; ++j) {
       const int32_t key = first + j;
