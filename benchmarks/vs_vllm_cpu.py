@@ -11,7 +11,10 @@ this process (`torch.set_num_threads(N)`). Each side loads the model and generat
 random prompts (not timed; vLLM also compiles the model while it starts up); then the two take turns, `--repeats`
 times, each timing one `generate` call over the whole workload (the turns, not a simultaneous run, so that both see
 the machine's load alike). The table shows each side's best run (all walls in its notes); tokens/s counts the tokens
-each request received.
+each request received. "CPU s" is the CPU time the side used in that run (user + system, all threads; for vLLM its
+front, engine-core and worker processes), which on a machine shared with other work says more than the wall:
+"tokens / CPU s" and the ratio "per CPU s" compare the work each side needs per token (OpenMP threads that spin
+while waiting count too).
 
 - Engine: `hf_paged.Engine(model, block_size=16, num_blocks=budget // 16)` with its default settings (batch size,
   prefill chunking, kernel), no tokenizer.
@@ -56,12 +59,14 @@ VLLM_BLOCK_SIZE = 32  # vLLM's CPU attention wants a multiple of 32
 
 def vllm_worker(job_path: str, folder: str) -> None:
     """The vLLM side, run under the vLLM venv's python: build the `LLM` and warm it up, write `ready.json`, then for
-    every number k read from stdin time one `generate` over the workload and write `run-k.json` (token ids, seconds);
+    every number k read from stdin time one `generate` over the workload and write `run-k.json` (token ids, wall and
+    CPU seconds);
     an empty line or end of input ends it."""
     job = json.loads(Path(job_path).read_text())
     here = Path(__file__).resolve().parent
     sys.path[:] = [p for p in sys.path if p and Path(p).resolve() != here]  # no benchmarks/*.py shadowing vLLM's
     start = time.perf_counter()
+    import psutil  # (a dependency of vLLM)
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -76,12 +81,23 @@ def vllm_worker(job_path: str, folder: str) -> None:
         seed=0,
     )
 
+    def cpu_seconds() -> float:  # of this process and vLLM's engine-core and worker processes under it
+        total = 0.0
+        for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+            try:
+                times = process.cpu_times()
+            except psutil.Error:
+                continue
+            total += times.user + times.system
+        return total
+
     def run(requests):
         prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt, _ in requests]
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False) for _, n in requests]
-        begin = time.perf_counter()
+        cpu, begin = cpu_seconds(), time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - begin, [list(o.outputs[0].token_ids) for o in outputs]
+        elapsed, cpu = time.perf_counter() - begin, cpu_seconds() - cpu
+        return elapsed, [list(o.outputs[0].token_ids) for o in outputs], cpu
 
     if job["warmup"]:
         run(job["warmup"])
@@ -96,8 +112,8 @@ def vllm_worker(job_path: str, folder: str) -> None:
     for line in sys.stdin:
         if not line.strip():
             break
-        elapsed, tokens = run(job["requests"])
-        write_json(Path(folder) / f"run-{int(line)}.json", {"elapsed": elapsed, "tokens": tokens})
+        elapsed, tokens, cpu = run(job["requests"])
+        write_json(Path(folder) / f"run-{int(line)}.json", {"elapsed": elapsed, "tokens": tokens, "cpu": cpu})
 
 
 def write_json(path: Path, value) -> None:
@@ -151,11 +167,11 @@ class VllmSide:
             time.sleep(0.2)
         return json.loads(path.read_text())
 
-    def run(self, index: int) -> tuple[float, list[list[int]]]:
+    def run(self, index: int) -> tuple[float, list[list[int]], float]:
         self.process.stdin.write(f"{index}\n")
         self.process.stdin.flush()
         answer = self.wait_for(f"run-{index}.json")
-        return answer["elapsed"], answer["tokens"]
+        return answer["elapsed"], answer["tokens"], answer["cpu"]
 
     def close(self) -> None:
         if self.process.poll() is None:
@@ -184,13 +200,14 @@ class EngineSide:
         if warmup:
             self.generate(warmup)
 
-    def generate(self, batch) -> tuple[float, list[list[int]]]:
+    def generate(self, batch) -> tuple[float, list[list[int]], float]:
         params = [self.hf_paged.SamplingParams(max_new_tokens=n, eos_token_id=()) for _, n in batch]
-        begin = time.perf_counter()
+        cpu, begin = time.process_time(), time.perf_counter()
         outputs = self.engine.generate([p for p, _ in batch], params)
-        return time.perf_counter() - begin, [list(o.token_ids) for o in outputs]
+        elapsed, cpu = time.perf_counter() - begin, time.process_time() - cpu
+        return elapsed, [list(o.token_ids) for o in outputs], cpu
 
-    def run(self, index: int) -> tuple[float, list[list[int]]]:
+    def run(self, index: int) -> tuple[float, list[list[int]], float]:
         return self.generate(self.requests)
 
     @property
@@ -283,19 +300,25 @@ def main() -> None:
             for side in sides.values():
                 side.close()
         best = {name: min(results, key=lambda r: r[0]) for name, results in runs.items()}
-        rate = {name: sum(map(len, tokens)) / elapsed for name, (elapsed, tokens) in best.items()}
+        rate = {name: sum(map(len, tokens)) / elapsed for name, (elapsed, tokens, _) in best.items()}
+        per_cpu = {name: sum(map(len, tokens)) / cpu for name, (_, tokens, cpu) in best.items()}
         engine, vllm = best.get("hf_paged Engine"), best.get("vLLM CPU")
         for name in [n for n in ["hf_paged Engine", "vLLM CPU"] if n in best]:
-            elapsed, tokens = best[name]
-            walls = ", ".join(f"{e:.1f}" for e, _ in runs[name])
+            elapsed, tokens, cpu = best[name]
+            walls = ", ".join(f"{e:.1f}" for e, *_ in runs[name])
             ours = name == "hf_paged Engine"
+            versus = ""
+            if ours and vllm:
+                versus = f"{rate[name] / rate['vLLM CPU']:.2f}x (per CPU s {per_cpu[name] / per_cpu['vLLM CPU']:.2f}x)"
             rows.append(
                 [
                     name,
                     ("auto" if not ours else f"default ({used})") if threads == "default" else threads,
                     f"{rate[name]:,.0f}",
                     f"{elapsed:.1f}",
-                    f"{rate[name] / rate['vLLM CPU']:.2f}x" if ours and vllm else "",
+                    f"{cpu:.1f}",
+                    f"{per_cpu[name]:,.0f}",
+                    versus,
                     agreement(engine[1], vllm[1]) if ours and vllm else "",
                     f"{sum(map(len, tokens))} tokens; walls {walls} s; {notes[name]}",
                 ]
@@ -309,7 +332,17 @@ def main() -> None:
         f"output {min(outputs)}-{max(outputs)} (mean {sum(outputs) / len(outputs):.0f}) tokens; KV budget "
         f"{args.budget_tokens} tokens = {args.budget_tokens * bytes_per_token / 2**20:.1f} MiB on each side\n"
     )
-    headers = ["system", "threads", "tokens/s", "wall s", "Engine / vLLM", "agree (Engine vs vLLM)", "notes"]
+    headers = [
+        "system",
+        "threads",
+        "tokens/s",
+        "wall s",
+        "CPU s",
+        "tokens / CPU s",
+        "Engine / vLLM",
+        "agree (Engine vs vLLM)",
+        "notes",
+    ]
     print(markdown_table(headers, rows))
 
 

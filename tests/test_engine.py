@@ -563,7 +563,7 @@ def test_packed_steps_compute_no_pad_position(model, workload):
 
 def test_negative_control_padded_steps_count_their_pads(model, workload):
     prompts, _, _ = workload
-    engine = Engine(model, block_size=4, num_blocks=512, max_prefill_tokens=32, attn_implementation="sdpa")
+    engine = Engine(model, block_size=4, num_blocks=512, max_prefill_tokens=256, attn_implementation="sdpa")
     engine.generate(prompts[:12], max_new_tokens=8, min_new_tokens=8)
     stats = engine.last_stats  # stock attention reads dense K/V: right-aligned rows, pads through the model
     assert stats.pad_positions > 0 and stats.mixed_steps == 0 and stats.pad_share > 0

@@ -298,5 +298,7 @@ def test_disable_restores_stock_generate_and_enable_is_idempotent(llama):
         hf_paged.enable()
     assert hf_paged.is_enabled() and GenerationMixin.generate.__wrapped__ is hf_paged.generation._original_generate
     input_ids = torch.randint(3, 128, (1, 5))
-    out = llama.generate(input_ids=input_ids, max_new_tokens=3, pad_token_id=0, cache_implementation="paged")
+    out = llama.generate(
+        input_ids=input_ids, max_new_tokens=3, min_new_tokens=3, pad_token_id=0, cache_implementation="paged"
+    )
     assert out.shape == (1, 8)

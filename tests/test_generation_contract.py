@@ -17,6 +17,7 @@ from hf_paged import PagedCache, get_pool
 from hf_paged.reference_models import IMAGE_TOKEN_ID, TOKENS_PER_IMAGE, tiny_model, tiny_vision_language_model
 
 from .conftest import left_padded_batch
+from .exactness import SCORE_TOLERANCE, assert_scores_match, reads_in_place
 
 CACHE = {"block_size": 4, "num_blocks": 256}
 TOLERANCE = 1e-5
@@ -409,8 +410,10 @@ def test_layer_keys_and_values_equal_the_dynamic_cache_tensors(family):
         assert keys.shape == stock.keys.shape and values.shape == stock.values.shape
         first = length - keys.shape[2]
         stored = (torch.arange(first, length)[None, :] >= pads[:, None])[:, None, :, None]
-        assert (keys - stock.keys).where(stored, 0).abs().max() <= 1e-6
-        assert (values - stock.values).where(stored, 0).abs().max() <= 1e-6
+        # a later layer's K/V follow the earlier layers' attention: the kernel's rounding (~1e-7) reaches them
+        tolerance = SCORE_TOLERANCE if reads_in_place() else 1e-6
+        assert (keys - stock.keys).where(stored, 0).abs().max() <= tolerance
+        assert (values - stock.values).where(stored, 0).abs().max() <= tolerance
         assert not keys.where(stored, 0).eq(0).all()  # control: real positions hold K/V
         assert keys.where(~stored, 0).eq(0).all() and values.where(~stored, 0).eq(0).all()
     with pytest.raises(AttributeError, match="read-only view"):
@@ -544,4 +547,5 @@ def test_blocks_computed_under_autocast_never_serve_a_call_outside_it(family):
     paged.past_key_values.release()
     del kwargs["cache_config"]
     assert_same_scores(seeded(model, **kwargs), paged)
-    assert max((a - b).abs().max().item() for a, b in zip(seeded(model, **kwargs).scores, paged.scores)) == 0
+    for a, b in zip(seeded(model, **kwargs).scores, paged.scores, strict=True):
+        assert_scores_match(a, b)  # bitwise on the gather path; blocks reused from autocast were ~1e-3 off

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import hf_paged.kernels
 from hf_paged import planner as planner_module
 from hf_paged.batch import ForwardBatch, KeyGroup
 from hf_paged.engine import Engine
@@ -17,6 +18,13 @@ from hf_paged.key_groups import GROUP_COST_BYTES, MIN_GROUP_COST, group_cost, sp
 from hf_paged.reference_models import tiny_model
 
 from .conftest import left_padded_batch
+
+
+@pytest.fixture(autouse=True)
+def gather_kernel(monkeypatch):
+    """Key groups split the gather path's reads (an in-place kernel reads each row's own length): these tests read
+    through it."""
+    monkeypatch.setattr(hf_paged.kernels, "DEFAULT_KERNEL", "gather")
 
 
 def cost_of(groups: list[list[int]], lengths: list[int], cost: int) -> int:
