@@ -127,6 +127,44 @@ def test_completion_logprobs_match_generate(client, reference_model):
     assert lp.text_offset == [len(tokenizer.decode(tokens[:i])) for i in range(len(tokens))]
 
 
+@pytest.fixture(scope="module")
+def bos_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-bos-model"), add_bos=True)
+
+
+def test_a_completion_prompt_gets_the_tokenizers_special_tokens(bos_dir):
+    """A tokenizer that adds BOS (as Llama's, Mistral's, Gemma's do): `/v1/completions` serves what
+    `tokenizer(prompt)` + stock `generate` answers, BOS included; chat keeps the template's tokens alone."""
+    model = AutoModelForCausalLM.from_pretrained(bos_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(bos_dir)
+    prompt = "The capital of France is"
+    inputs = tokenizer(prompt, return_tensors="pt")
+    assert inputs["input_ids"][0, 0] == tokenizer.bos_token_id  # the tokenizer adds BOS
+    expected = model.generate(**inputs, max_new_tokens=8, min_new_tokens=8, do_sample=False)[
+        0, inputs["input_ids"].shape[1] :
+    ]
+    messages = [{"role": "user", "content": "What is a page table?"}]
+    chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    expected_chat = model.generate(torch.tensor([chat_ids]), max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    server = ServerProcess(bos_dir, "--served-model-name", TINY, "--num-blocks", "64")
+    try:
+        client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="none", max_retries=0, timeout=60)
+        reply = client.completions.create(
+            model=TINY, prompt=prompt, max_tokens=8, temperature=0, extra_body={"min_tokens": 8}
+        )
+        assert reply.usage.prompt_tokens == inputs["input_ids"].shape[1]
+        assert reply.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+        chat = client.chat.completions.create(
+            model=TINY, messages=messages, max_tokens=5, temperature=0, extra_body={"min_tokens": 5}
+        )
+        assert chat.usage.prompt_tokens == len(chat_ids)  # no second BOS before the template's own tokens
+        assert chat.choices[0].message.content == tokenizer.decode(
+            expected_chat[0, len(chat_ids) :], skip_special_tokens=True
+        )
+    finally:
+        server.close()
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_chat_logprobs_match_generate(client, reference_model, stream):
     model, tokenizer = reference_model

@@ -140,7 +140,7 @@ def _chat_ids(encoder: PromptEncoder, messages: list[dict]) -> list[int]:
         raise
     except Exception as error:  # noqa: BLE001 - a template that refuses these messages (roles out of order, ...)
         raise APIError(400, f"messages: the chat template failed: {error}", "messages") from None
-    return encoder.encode(text)
+    return encoder.encode(text, special_tokens=False)  # the template holds the special tokens
 
 
 def _decode(engine, prompt_ids: list[int]) -> str:
