@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
-from .serve_helpers import API_KEY, TINY, ServerProcess, metric, save_tiny_model, wait_for_idle
+from .serve_helpers import API_KEY, TINY, TINY_CONTEXT, ServerProcess, metric, save_tiny_model, wait_for_idle
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 LONG = {"max_tokens": 3000, "min_tokens": 3000}  # forced long: end-of-sequence suppressed, minutes of decoding
@@ -242,6 +242,19 @@ def test_echo_puts_the_prompt_before_the_answer(client, reference_model, stream,
     assert only_prompt.choices[0].text == text and only_prompt.usage.completion_tokens == 0
 
 
+def test_streamed_chunks_with_a_stop_string_keep_pace_with_their_tokens(client):
+    """With `stop` set, a chunk holds back only an end of the text that could still begin a stop string, so each
+    chunk's text is its tokens' text (it once held back as many characters as the longest stop string, less one)."""
+    options = dict(model=TINY, prompt="The paging of memory", max_tokens=12, temperature=0, logprobs=0,
+                   stop=["\u2603\u2603\u2603\u2603"], extra_body={"min_tokens": 12}, stream=True)  # fmt: skip
+    chunks = [chunk.choices[0] for chunk in client.completions.create(**options) if chunk.choices]
+    tokens = [token for choice in chunks if choice.logprobs for token in choice.logprobs.tokens]
+    assert len(tokens) == 12 and not any(token.startswith("bytes:") for token in tokens)
+    assert [choice.text for choice in chunks if choice.logprobs] == [
+        "".join(choice.logprobs.tokens) for choice in chunks if choice.logprobs
+    ]
+
+
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_stream_include_usage_sends_a_final_usage_chunk(client, chat):
     options = dict(model=TINY, max_tokens=6, temperature=0, n=2, extra_body={"min_tokens": 6})
@@ -325,6 +338,22 @@ ERRORS = {
     "echo-token-id-2**63": ("completions", json.dumps({"model": TINY, "prompt": [2**63], "echo": True}), "prompt"),
     "string-for-an-integer": ("completions", json.dumps({"model": TINY, "prompt": "hi", "max_tokens": "3"}),
                               "max_tokens"),
+    # NaN is no JSON, but Python's parser reads it: refused as not a number (once: "must be <= 2")
+    "nan-temperature": ("completions", '{"model": "tiny", "prompt": "hi", "temperature": NaN}', "temperature"),
+    "infinite-top-p": ("chat", '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}',
+                       "top_p"),
+    # a prompt that leaves no room for an answer is the prompt's fault, not max_tokens' (once named max_tokens)
+    "prompt-over-the-context": ("completions", json.dumps({"model": TINY, "prompt": [5] * (TINY_CONTEXT + 8)}),
+                                "prompt"),
+    "chat-over-the-context": ("chat", json.dumps({"model": TINY, "messages": [{"role": "user",
+                                                                                "content": "hi " * TINY_CONTEXT}]}),
+                              "messages"),
+    # OpenAI refuses max_tokens 0 for chat (completions take it: the echoed prompt alone)
+    "chat-max-tokens-0": ("chat", json.dumps({"model": TINY, "messages": [{"role": "user", "content": "hi"}],
+                                              "max_tokens": 0}), "max_tokens"),
+    "chat-max-completion-tokens-0": ("chat", json.dumps({"model": TINY, "messages": [{"role": "user",
+                                                                                       "content": "hi"}],
+                                                         "max_completion_tokens": 0}), "max_completion_tokens"),
 }  # fmt: skip
 
 
