@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -527,3 +528,47 @@ def test_health_and_metrics_answer_during_a_long_prefill(server):
     during = [t for t in starts if result["start"] + 0.05 < t < result["end"] - 0.05]
     assert len(during) >= 3, (result, len(during))  # polls answered while the prefill step ran
     assert max(latencies) < 0.1, max(latencies)
+
+
+# ---------------------------------------------------------------------------------------------- latency histograms
+HISTOGRAMS = {
+    "hf_paged_time_to_first_token_seconds": "TIME_TO_FIRST_TOKEN_BUCKETS",
+    "hf_paged_inter_token_latency_seconds": "INTER_TOKEN_LATENCY_BUCKETS",
+    "hf_paged_e2e_request_latency_seconds": "REQUEST_LATENCY_BUCKETS",
+    "hf_paged_request_queue_time_seconds": "REQUEST_LATENCY_BUCKETS",
+}
+
+
+def histogram(text: str, name: str) -> tuple[list[tuple[str, int]], float, int]:
+    """`([(le, cumulative count), ...], sum, count)` of histogram `name` in Prometheus text."""
+    buckets, total, count = [], None, None
+    for line in text.splitlines():
+        if line.startswith(f'{name}_bucket{{le="'):
+            le = line.split('"')[1]
+            buckets.append((le, int(line.split()[-1])))
+        elif line.startswith(f"{name}_sum "):
+            total = float(line.split()[1])
+        elif line.startswith(f"{name}_count "):
+            count = int(line.split()[1])
+    return buckets, total, count
+
+
+def test_metrics_expose_latency_histograms_with_the_documented_buckets(server, client):
+    from hf_paged.engine import stats
+
+    before = {name: histogram(httpx.get(f"{server}/metrics").text, name)[2] for name in HISTOGRAMS}
+    for _ in range(3):
+        client.completions.create(model=TINY, prompt="Hi", max_tokens=4, temperature=0, extra_body={"min_tokens": 4})
+    wait_for_idle(server, timeout=10)
+    text = httpx.get(f"{server}/metrics").text
+    serving = (Path(__file__).resolve().parent.parent / "docs" / "serving.md").read_text()
+    for name, bounds_name in HISTOGRAMS.items():
+        assert f"# TYPE {name} histogram" in text and name in serving
+        buckets, total, count = histogram(text, name)
+        bounds = getattr(stats, bounds_name)
+        assert [le for le, _ in buckets] == [f"{b:g}" for b in bounds] + ["+Inf"]
+        assert ", ".join(f"{b:g}" for b in bounds) in serving  # the buckets are documented
+        cumulative = [value for _, value in buckets]
+        assert cumulative == sorted(cumulative) and cumulative[-1] == count and total >= 0
+        grown = count - before[name]
+        assert grown >= (9 if name == "hf_paged_inter_token_latency_seconds" else 3), (name, grown)

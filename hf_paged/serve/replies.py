@@ -11,9 +11,12 @@ import time
 from ..engine import RequestOutput
 from ..engine.request import TokenLogprob
 
+TOKEN_CACHE_SIZE = 4096  # tokens whose bytes and text `TokenTexts` keeps
+
 
 class TokenTexts:
-    """The bytes and the display text of single tokens, for log-probability entries (cached per id).
+    """The bytes and the display text of single tokens, for log-probability entries (the last `TOKEN_CACHE_SIZE`
+    cached).
 
     A token's bytes are its own UTF-8 bytes in the text (byte-level BPE tokens through the byte-to-character table,
     SentencePiece byte-fallback tokens `<0xNN>` as that byte, other tokens as their text), so the bytes of a
@@ -60,6 +63,8 @@ class TokenTexts:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError:
                 text = "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
+            if len(self._cache) >= TOKEN_CACHE_SIZE:  # bounded: the oldest entry goes
+                del self._cache[next(iter(self._cache))]
             entry = self._cache[token_id] = (text, raw)
         return entry
 
