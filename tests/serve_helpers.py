@@ -28,12 +28,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def save_tiny_model(folder: Path, **overrides) -> Path:
+def save_tiny_model(folder: Path, add_bos: bool = False, **overrides) -> Path:
     """A 2-layer Llama of width 64 with SmolLM2's 49,152-token vocabulary and tokenizer (end of sequence: id 2,
-    `<|im_end|>`), context 8,192, saved in `folder`; `overrides` are config options (`num_key_value_heads=4`)."""
+    `<|im_end|>`), context 8,192, saved in `folder`; `overrides` are config options (`num_key_value_heads=4`).
+    With `add_bos`, the tokenizer puts its BOS token (`<|im_start|>`, id 1) before every text it tokenizes with
+    special tokens, as Llama's, Mistral's and Gemma's tokenizers do (a template post-processor)."""
+    from tokenizers.processors import TemplateProcessing
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
+    if add_bos:
+        bos = tokenizer.bos_token
+        tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.bos_token_id)]
+        )
     model = tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=TINY_CONTEXT, **overrides)
     assert tokenizer.eos_token_id == model.generation_config.eos_token_id == 2
     model.save_pretrained(folder)

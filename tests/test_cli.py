@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from hf_paged.serve.cli import build_parser
@@ -50,3 +52,90 @@ def test_body_limit_and_shutdown_grace_are_options(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "m", "--shutdown-grace", "-1"])
     assert "the grace period must be >= 0 seconds, got -1" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------- refusals
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    """A model folder as far as the checks read it: a tiny Llama's config.json (2 layers, 4 KV heads of 16)."""
+    from hf_paged.reference_models import tiny_model
+
+    folder = tmp_path_factory.mktemp("model")
+    tiny_model("llama").config.save_pretrained(folder)
+    return folder
+
+
+BAD_OPTIONS = {
+    "block-size-0": (["--block-size", "0"], "argument --block-size: must be an integer >= 1, got 0"),
+    "num-blocks-0": (["--num-blocks", "0"], "argument --num-blocks: must be an integer >= 1, got 0"),
+    "max-batch-size-0": (["--max-batch-size", "0"], "argument --max-batch-size: must be an integer >= 1, got 0"),
+    "max-prefill-tokens-0": (["--max-prefill-tokens", "0"], "argument --max-prefill-tokens: must be an integer >= 1"),
+    "max-batched-tokens-x": (["--max-num-batched-tokens", "x"],
+                             "argument --max-num-batched-tokens: must be an integer >= 1, got 'x'"),
+    "max-memory-abc": (["--max-memory", "abc"], "argument --max-memory: 'abc' is not a memory size"),
+    "max-memory-0": (["--max-memory", "0"], "argument --max-memory: size must be > 0 bytes"),
+    # one block: 16 tokens x 2 layers x K and V x 2 KV heads x 16 x 4 bytes (float32) = 8,192 bytes
+    "max-memory-1KiB": (["--max-memory", "1KiB", "--dtype", "float32"],
+                        "--max-memory 1KiB (1024 bytes) is less than one KV block of this model: 16 tokens x 2 layers "
+                        "x K and V x 2 KV heads x 16 x 4 bytes = 8192 bytes"),
+    "batched-below-batch": (["--max-batch-size", "64", "--max-num-batched-tokens", "32"],
+                            "--max-num-batched-tokens 32 is below --max-batch-size 64: a step holds one token of "
+                            "every running request"),
+    "not-a-device": (["--device", "gpu0"], "--device 'gpu0' is not a device"),
+    "port": (["--port", "70000"], "argument --port: must be a port number in [0, 65535], got 70000"),
+    "log-level": (["--log-level", "loud"], "argument --log-level: must be one of critical, error, warning, info"),
+}  # fmt: skip
+
+
+def refused(argv: list[str], monkeypatch, capsys) -> str:
+    """Run `hf-paged ARGV` in this process; returns its one error line after checking it exits with status 2 within
+    3 s, before any model is loaded, without a traceback."""
+    from hf_paged.serve import cli
+
+    def load(*_, **__):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(cli, "load", load)
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    elapsed = time.monotonic() - start
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and elapsed < 3, (exit_info.value.code, elapsed, err)
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and err.startswith("usage: hf-paged serve") and "Traceback" not in err, err
+    return errors[0].removeprefix("hf-paged serve: error: ")
+
+
+@pytest.mark.parametrize("case", BAD_OPTIONS.values(), ids=BAD_OPTIONS.keys())
+def test_bad_options_are_usage_errors_before_the_model_loads(model_folder, monkeypatch, capsys, case):
+    options, message = case
+    assert refused(["serve", str(model_folder), *options], monkeypatch, capsys).startswith(message)
+
+
+def test_a_device_this_machine_lacks_is_a_usage_error(model_folder, monkeypatch, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        message = refused(["serve", str(model_folder), "--device", f"cuda:{count}"], monkeypatch, capsys)
+        assert message.startswith(f"--device cuda:{count}: there is no device {count}; {count} visible")
+    else:
+        message = refused(["serve", str(model_folder), "--device", "cuda"], monkeypatch, capsys)
+        assert message == "--device cuda: this machine has no CUDA device (torch sees none)"
+
+
+def test_a_model_path_that_holds_no_model_is_a_usage_error(model_folder, tmp_path, monkeypatch, capsys):
+    path = str(tmp_path / "no-such-model")
+    missing = refused(["serve", path], monkeypatch, capsys)
+    assert missing == f"model path {path!r}: no such folder, and not a Hugging Face Hub id (owner/name)"
+    assert "no such folder" in refused(["serve", "./my-model"], monkeypatch, capsys)
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    assert "--gguf-file model.gguf" in refused(["serve", str(tmp_path)], monkeypatch, capsys)  # no config.json
+    assert "is a file" in refused(["serve", str(tmp_path / "model.gguf")], monkeypatch, capsys)
+    assert "no such file" in refused(["serve", str(tmp_path), "--gguf-file", "other.gguf"], monkeypatch, capsys)
+
+
+def test_the_help_states_the_batched_tokens_rule():
+    help_text = " ".join(build_parser()._actions[-1].choices["serve"].format_help().split())
+    assert "at least --max-batch-size" in help_text

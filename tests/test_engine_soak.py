@@ -73,3 +73,61 @@ def test_engine_soak_with_aborts_and_a_half_sized_pool(attention):
         f"{stats.preemptions} preemptions, peak {stats.peak_blocks}/{NUM_BLOCKS} blocks, "
         f"prefix hit rate {stats.prefix_hit_rate:.2f}"
     )
+
+
+# Memory: after a warm-up (the prefix cache and the TTFT sample full, torch's caches built), thousands more requests
+# leave no per-request trace. Each finished request used to leave its time to first token in a list (~32 bytes);
+# the bound allows ~10 bytes a request, for the noise of torch's and transformers' own small caches.
+WARM_UP_REQUESTS = 1_500
+MEASURED_REQUESTS = 3_000
+MEMORY_BOUND_BYTES = 32 * 1024
+
+
+def serve_requests(engine: Engine, rng: random.Random, count: int) -> int:
+    """Offer `count` requests (greedy and sampled, 10% aborted at once or later), 32 in flight; returns how many
+    finished with stop or length."""
+    finished, done = 0, 0
+    while done < count:
+        while engine.num_running + engine.num_waiting < 32:
+            prompt = [rng.randrange(3, 128) for _ in range(rng.randint(1, 12))]
+            new = rng.randint(1, 6)
+            request_id = engine.add_request(prompt, max_new_tokens=new, do_sample=rng.random() < 0.3, seed=None)
+            if rng.random() < 0.05:
+                engine.abort(request_id)
+        for output in engine.step():
+            if output.finished:
+                done += 1
+                finished += output.finish_reason in ("stop", "length")
+        if rng.random() < 0.05 and engine._requests:
+            engine.abort(rng.choice(list(engine._requests)))
+    return finished
+
+
+@pytest.mark.slow
+def test_engine_memory_is_flat_over_thousands_of_requests():
+    import gc
+    import tracemalloc
+
+    engine = Engine(tiny_model("llama"), block_size=4, num_blocks=160, max_batch_size=32)
+    rng = random.Random(7)
+    tracemalloc.start()  # before the warm-up: what it allocated and later requests free is then counted as freed
+    try:
+        serve_requests(engine, rng, WARM_UP_REQUESTS)
+        gc.collect()
+        before = tracemalloc.take_snapshot()
+        finished = serve_requests(engine, rng, MEASURED_REQUESTS)
+        while engine.has_unfinished_requests():  # the requests still in flight end too
+            engine.step()
+        gc.collect()
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    growth = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
+    top = sorted(after.compare_to(before, "lineno"), key=lambda stat: -stat.size_diff)[:3]
+    print(f"\nmemory: {growth} bytes over {MEASURED_REQUESTS} requests ({growth / MEASURED_REQUESTS:.1f} B each)")
+    assert growth < MEMORY_BOUND_BYTES, "\n".join(str(stat) for stat in top)
+    assert engine.pool.stats().num_used == 0 and not engine.has_unfinished_requests()
+    latency = engine.latency  # bounded too: fixed buckets
+    assert latency.e2e_request_latency.count >= finished > MEASURED_REQUESTS // 2
+    assert latency.time_to_first_token.count >= latency.e2e_request_latency.count
+    assert len(engine._ttfts.values) == 1024 and engine.stats().p90_ttft_s is not None

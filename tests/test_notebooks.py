@@ -7,6 +7,7 @@ The run uses a tiny random model (`HF_PAGED_NOTEBOOK_TINY=1`) unless the variabl
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -34,12 +35,28 @@ def execute(notebook, folder: Path, monkeypatch) -> None:
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[path.name for path in NOTEBOOKS])
 def test_notebook_runs_top_to_bottom(path: Path, monkeypatch):
     notebook = nbformat.read(path, as_version=4)
+    stored = printed_per_cell(notebook)
     for cell in notebook.cells:
         if cell.cell_type == "code":
             cell.outputs = []
     execute(notebook, path.parent, monkeypatch)
     code_cells = [cell for cell in notebook.cells if cell.cell_type == "code"]
     assert code_cells and all(cell.execution_count for cell in code_cells)
+    # the stored outputs are current: each cell prints the same kinds of objects now (a run on the tiny model prints
+    # other numbers, but PoolStats where the stored output says PoolStats, with the same fields)
+    fresh = printed_per_cell(notebook)
+    stale = [(i + 1, old, new) for i, (old, new) in enumerate(zip(stored, fresh)) if old != new]
+    assert not stale, f"{path.name}: stored outputs are stale, run python notebooks/execute.py: {stale}"
+
+
+def printed_per_cell(notebook) -> list[set]:
+    """For each code cell, the objects its outputs print: `{(class name, its repr's keywords), ...}`."""
+    cells = []
+    for cell in notebook.cells:
+        if cell.cell_type == "code":
+            texts = [o.get("text", "") + o.get("data", {}).get("text/plain", "") for o in cell.outputs]
+            cells.append({(name, tuple(keys)) for text in texts for name, keys in printed_objects(text)})
+    return cells
 
 
 @pytest.mark.slow
@@ -62,3 +79,59 @@ def test_notebook_is_stored_executed(path: Path):
     assert not [o for o in outputs if o.output_type == "error"], f"{path.name} is stored with an error"
     if any("plot_" in cell.source for cell in code_cells):
         assert any("image/png" in o.get("data", {}) for o in outputs), f"{path.name} is stored without its pictures"
+
+
+def hf_paged_classes() -> dict[str, type]:
+    """Every class the hf_paged package defines, by name."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import hf_paged
+
+    classes = {}
+    for module_info in pkgutil.walk_packages(hf_paged.__path__, "hf_paged."):
+        if module_info.name.endswith("__main__"):  # runs the command line when imported
+            continue
+        module = importlib.import_module(module_info.name)
+        for name, value in vars(module).items():
+            if inspect.isclass(value) and value.__module__.startswith("hf_paged"):
+                classes[name] = value
+    return classes
+
+
+def printed_objects(text: str):
+    """`(class name, the keyword names of its repr)` for every `Name(key=..., ...)` printed in `text`."""
+    for match in re.finditer(r"\b([A-Z][A-Za-z0-9]+)\(", text):
+        depth, keys, start = 1, [], match.end()
+        for position in range(start, len(text)):
+            char = text[position]
+            depth += char in "([{"
+            depth -= char in ")]}"
+            if depth == 0:
+                break
+            if depth == 1 and (position == start or text[position - 2 : position] == ", "):
+                key = re.match(r"(\w+)=", text[position:])
+                if key:
+                    keys.append(key.group(1))
+        yield match.group(1), keys
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[path.name for path in NOTEBOOKS])
+def test_stored_outputs_print_the_current_classes(path: Path):
+    """The stored outputs are current: every object they print (`PoolStats(num_blocks=..., ...)`) is a class
+    hf_paged still defines, with the fields it has now (a renamed class, `AllocatorStats`, or a renamed field means
+    `python notebooks/execute.py` must be run again)."""
+    classes = hf_paged_classes()
+    notebook = nbformat.read(path, as_version=4)
+    for index, cell in enumerate(c for c in notebook.cells if c.cell_type == "code"):
+        for output in cell.outputs:
+            text = output.get("text", "") + output.get("data", {}).get("text/plain", "")
+            for name, keys in printed_objects(text):
+                assert name in classes, (
+                    f"{path.name}, code cell {index + 1}: prints {name}, which hf_paged no longer has"
+                )
+                fields = getattr(classes[name], "__dataclass_fields__", None)
+                if fields is not None:
+                    stale = [key for key in keys if key not in fields]
+                    assert not stale, f"{path.name}, code cell {index + 1}: {name} has no field {stale}"

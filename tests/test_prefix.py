@@ -605,3 +605,26 @@ def test_blocks_computed_in_training_mode_are_never_reused():
     assert out.past_key_values.stats().prefix_tokens_reused == 0
     out.past_key_values.release()
     assert torch.equal(out.sequences, model.generate(prompt, **options))
+
+
+def test_the_weights_key_sees_what_the_readme_says():
+    """README and faq: in-place changes made through a parameter bump its version; `.data` changes (no version) are
+    seen where they touch one of the 16 strided samples of the parameter; a `.data` edit of unsampled elements is not
+    seen: that is what `clear_prefix_cache()` is documented for."""
+    from hf_paged.prefix import SAMPLES_PER_PARAMETER, weights_key
+
+    model = tiny_model("llama")
+    weight = model.model.layers[0].self_attn.q_proj.weight
+    stride = weight.numel() // SAMPLES_PER_PARAMETER
+    assert stride > 1
+    keys = [weights_key(model)]
+    with torch.no_grad():
+        weight.add_(1e-3)  # an optimizer step's kind of change: the version moves
+    keys.append(weights_key(model))
+    weight.data.view(-1)[stride] += 1.0  # `.data`: no version, but a sampled element
+    keys.append(weights_key(model))
+    weight.data += 0.5  # a merge's kind of change: every element
+    keys.append(weights_key(model))
+    assert len(set(keys)) == len(keys)
+    weight.data.view(-1)[1] += 1.0  # `.data` on an element no sample covers: unseen, as documented
+    assert weights_key(model) == keys[-1]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -15,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
-from .serve_helpers import API_KEY, TINY, ServerProcess, metric, save_tiny_model, wait_for_idle
+from .serve_helpers import API_KEY, TINY, TINY_CONTEXT, ServerProcess, metric, save_tiny_model, wait_for_idle
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 LONG = {"max_tokens": 3000, "min_tokens": 3000}  # forced long: end-of-sequence suppressed, minutes of decoding
@@ -127,6 +128,44 @@ def test_completion_logprobs_match_generate(client, reference_model):
     assert lp.text_offset == [len(tokenizer.decode(tokens[:i])) for i in range(len(tokens))]
 
 
+@pytest.fixture(scope="module")
+def bos_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-bos-model"), add_bos=True)
+
+
+def test_a_completion_prompt_gets_the_tokenizers_special_tokens(bos_dir):
+    """A tokenizer that adds BOS (as Llama's, Mistral's, Gemma's do): `/v1/completions` serves what
+    `tokenizer(prompt)` + stock `generate` answers, BOS included; chat keeps the template's tokens alone."""
+    model = AutoModelForCausalLM.from_pretrained(bos_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(bos_dir)
+    prompt = "The capital of France is"
+    inputs = tokenizer(prompt, return_tensors="pt")
+    assert inputs["input_ids"][0, 0] == tokenizer.bos_token_id  # the tokenizer adds BOS
+    expected = model.generate(**inputs, max_new_tokens=8, min_new_tokens=8, do_sample=False)[
+        0, inputs["input_ids"].shape[1] :
+    ]
+    messages = [{"role": "user", "content": "What is a page table?"}]
+    chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    expected_chat = model.generate(torch.tensor([chat_ids]), max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    server = ServerProcess(bos_dir, "--served-model-name", TINY, "--num-blocks", "64")
+    try:
+        client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="none", max_retries=0, timeout=60)
+        reply = client.completions.create(
+            model=TINY, prompt=prompt, max_tokens=8, temperature=0, extra_body={"min_tokens": 8}
+        )
+        assert reply.usage.prompt_tokens == inputs["input_ids"].shape[1]
+        assert reply.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+        chat = client.chat.completions.create(
+            model=TINY, messages=messages, max_tokens=5, temperature=0, extra_body={"min_tokens": 5}
+        )
+        assert chat.usage.prompt_tokens == len(chat_ids)  # no second BOS before the template's own tokens
+        assert chat.choices[0].message.content == tokenizer.decode(
+            expected_chat[0, len(chat_ids) :], skip_special_tokens=True
+        )
+    finally:
+        server.close()
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_chat_logprobs_match_generate(client, reference_model, stream):
     model, tokenizer = reference_model
@@ -202,6 +241,19 @@ def test_echo_puts_the_prompt_before_the_answer(client, reference_model, stream,
     assert answer == text + tokenizer.decode(tokens)
     only_prompt = client.completions.create(model=TINY, prompt=prompt, max_tokens=0, echo=True)
     assert only_prompt.choices[0].text == text and only_prompt.usage.completion_tokens == 0
+
+
+def test_streamed_chunks_with_a_stop_string_keep_pace_with_their_tokens(client):
+    """With `stop` set, a chunk holds back only an end of the text that could still begin a stop string, so each
+    chunk's text is its tokens' text (it once held back as many characters as the longest stop string, less one)."""
+    options = dict(model=TINY, prompt="The paging of memory", max_tokens=12, temperature=0, logprobs=0,
+                   stop=["\u2603\u2603\u2603\u2603"], extra_body={"min_tokens": 12}, stream=True)  # fmt: skip
+    chunks = [chunk.choices[0] for chunk in client.completions.create(**options) if chunk.choices]
+    tokens = [token for choice in chunks if choice.logprobs for token in choice.logprobs.tokens]
+    assert len(tokens) == 12 and not any(token.startswith("bytes:") for token in tokens)
+    assert [choice.text for choice in chunks if choice.logprobs] == [
+        "".join(choice.logprobs.tokens) for choice in chunks if choice.logprobs
+    ]
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
@@ -287,6 +339,22 @@ ERRORS = {
     "echo-token-id-2**63": ("completions", json.dumps({"model": TINY, "prompt": [2**63], "echo": True}), "prompt"),
     "string-for-an-integer": ("completions", json.dumps({"model": TINY, "prompt": "hi", "max_tokens": "3"}),
                               "max_tokens"),
+    # NaN is no JSON, but Python's parser reads it: refused as not a number (once: "must be <= 2")
+    "nan-temperature": ("completions", '{"model": "tiny", "prompt": "hi", "temperature": NaN}', "temperature"),
+    "infinite-top-p": ("chat", '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}',
+                       "top_p"),
+    # a prompt that leaves no room for an answer is the prompt's fault, not max_tokens' (once named max_tokens)
+    "prompt-over-the-context": ("completions", json.dumps({"model": TINY, "prompt": [5] * (TINY_CONTEXT + 8)}),
+                                "prompt"),
+    "chat-over-the-context": ("chat", json.dumps({"model": TINY, "messages": [{"role": "user",
+                                                                                "content": "hi " * TINY_CONTEXT}]}),
+                              "messages"),
+    # OpenAI refuses max_tokens 0 for chat (completions take it: the echoed prompt alone)
+    "chat-max-tokens-0": ("chat", json.dumps({"model": TINY, "messages": [{"role": "user", "content": "hi"}],
+                                              "max_tokens": 0}), "max_tokens"),
+    "chat-max-completion-tokens-0": ("chat", json.dumps({"model": TINY, "messages": [{"role": "user",
+                                                                                       "content": "hi"}],
+                                                         "max_completion_tokens": 0}), "max_completion_tokens"),
 }  # fmt: skip
 
 
@@ -460,3 +528,47 @@ def test_health_and_metrics_answer_during_a_long_prefill(server):
     during = [t for t in starts if result["start"] + 0.05 < t < result["end"] - 0.05]
     assert len(during) >= 3, (result, len(during))  # polls answered while the prefill step ran
     assert max(latencies) < 0.1, max(latencies)
+
+
+# ---------------------------------------------------------------------------------------------- latency histograms
+HISTOGRAMS = {
+    "hf_paged_time_to_first_token_seconds": "TIME_TO_FIRST_TOKEN_BUCKETS",
+    "hf_paged_inter_token_latency_seconds": "INTER_TOKEN_LATENCY_BUCKETS",
+    "hf_paged_e2e_request_latency_seconds": "REQUEST_LATENCY_BUCKETS",
+    "hf_paged_request_queue_time_seconds": "REQUEST_LATENCY_BUCKETS",
+}
+
+
+def histogram(text: str, name: str) -> tuple[list[tuple[str, int]], float, int]:
+    """`([(le, cumulative count), ...], sum, count)` of histogram `name` in Prometheus text."""
+    buckets, total, count = [], None, None
+    for line in text.splitlines():
+        if line.startswith(f'{name}_bucket{{le="'):
+            le = line.split('"')[1]
+            buckets.append((le, int(line.split()[-1])))
+        elif line.startswith(f"{name}_sum "):
+            total = float(line.split()[1])
+        elif line.startswith(f"{name}_count "):
+            count = int(line.split()[1])
+    return buckets, total, count
+
+
+def test_metrics_expose_latency_histograms_with_the_documented_buckets(server, client):
+    from hf_paged.engine import stats
+
+    before = {name: histogram(httpx.get(f"{server}/metrics").text, name)[2] for name in HISTOGRAMS}
+    for _ in range(3):
+        client.completions.create(model=TINY, prompt="Hi", max_tokens=4, temperature=0, extra_body={"min_tokens": 4})
+    wait_for_idle(server, timeout=10)
+    text = httpx.get(f"{server}/metrics").text
+    serving = (Path(__file__).resolve().parent.parent / "docs" / "serving.md").read_text()
+    for name, bounds_name in HISTOGRAMS.items():
+        assert f"# TYPE {name} histogram" in text and name in serving
+        buckets, total, count = histogram(text, name)
+        bounds = getattr(stats, bounds_name)
+        assert [le for le, _ in buckets] == [f"{b:g}" for b in bounds] + ["+Inf"]
+        assert ", ".join(f"{b:g}" for b in bounds) in serving  # the buckets are documented
+        cumulative = [value for _, value in buckets]
+        assert cumulative == sorted(cumulative) and cumulative[-1] == count and total >= 0
+        grown = count - before[name]
+        assert grown >= (9 if name == "hf_paged_inter_token_latency_seconds" else 3), (name, grown)

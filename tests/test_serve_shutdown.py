@@ -108,6 +108,10 @@ def test_sigint_with_four_streams_waits_the_grace_period_then_aborts_and_exits_c
     wait_for_running(process.base, 5)
     interrupted = time.monotonic()
     process.interrupt()
+    time.sleep(0.5)  # draining: the server still listens, and says it is leaving (it once closed the socket at once)
+    health = httpx.get(f"{process.base}/health", timeout=5)
+    late = httpx.post(f"{process.base}/v1/completions", json={"model": TINY, "prompt": "Hi", "max_tokens": 2},
+                      headers=HEADERS, timeout=5)  # fmt: skip
     code = process.process.wait(timeout=GRACE_S + 5)
     exited = time.monotonic() - interrupted
     for thread in threads:
@@ -115,6 +119,8 @@ def test_sigint_with_four_streams_waits_the_grace_period_then_aborts_and_exits_c
     output = process.close()
     assert code == 0 and exited < GRACE_S + 5, (code, exited, output)
     assert "Traceback" not in output and "stopped; 0 KV blocks in use" in output, output
+    assert (health.status_code, health.json()) == (503, {"status": "shutting_down"})
+    assert late.status_code == 503 and late.json()["error"]["code"] == "server_shutdown"
     assert answer["response"].status_code == 503
     assert answer["response"].json()["error"]["code"] == "server_shutdown"
     for stream in events:
@@ -123,6 +129,15 @@ def test_sigint_with_four_streams_waits_the_grace_period_then_aborts_and_exits_c
         assert error["code"] == "server_shutdown" and error["type"] == "server_error"
         assert any(t > interrupted + GRACE_S - 0.5 for t, e in stream[:-1])  # tokens kept coming during the grace
         assert GRACE_S - 0.5 < last_time - interrupted < GRACE_S + 5
+
+
+def test_sigint_when_idle_exits_at_once(tiny_dir):
+    process = start(tiny_dir, "--num-blocks", "64", "--shutdown-grace", "60", "--log-level", "info")
+    interrupted = time.monotonic()
+    process.interrupt()
+    code = process.process.wait(timeout=10)
+    output = process.close()
+    assert code == 0 and time.monotonic() - interrupted < 5 and "Traceback" not in output, output
 
 
 def test_a_second_sigint_aborts_at_once_without_a_traceback(tiny_dir):

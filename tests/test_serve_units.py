@@ -36,6 +36,10 @@ def parse_error(raw: bytes, model=CompletionRequest) -> APIError:
         (b'{"model": "m", "prompt": "hi", "logit_bias": {"x": 1}}', "logit_bias", "token ids"),
         (b'{"model": "m", "prompt": "hi", "logprobs": 6}', "logprobs", "less than or equal to 5"),
         (b'{"model": "m", "prompt": "hi", "frequency_penalty": 2.5}', "frequency_penalty", "less than or equal to 2"),
+        # NaN and Infinity are no JSON, but Python's parser reads them: not a finite number (NaN was "must be <= 2")
+        (b'{"model": "m", "prompt": "hi", "temperature": NaN}', "temperature", "should be a finite number"),
+        (b'{"model": "m", "prompt": "hi", "presence_penalty": -Infinity}', "presence_penalty", "finite number"),
+        (b'{"model": "m", "prompt": "hi", "logit_bias": {"5": NaN}}', "logit_bias.5", "finite number"),
         (b"\xff\xfe", None, "not valid JSON"),
         (b"[]", None, "must be a JSON object"),
         # characters str.isdigit() accepts but int() does not, or reads as another digit

@@ -97,6 +97,44 @@ def test_chat_and_streaming_chat_are_greedy_generate(smollm2, client):
     assert chunks[-1].choices[0].finish_reason in ("stop", "length") and len(chunks) > 3
 
 
+EMOJI_PROMPT = "I love pizza 🍕🍕🍕 and sushi 🍣🍣"  # SmolLM2 answers with pizzas: 3 byte-level tokens each
+
+
+def test_logprobs_of_tokens_holding_part_of_a_character(smollm2, client):
+    """OpenAI's contract: a token's `bytes` are its own UTF-8 bytes (concatenated, the text's bytes), a token that
+    is no whole character shows as `bytes:\\xNN...`, and completions' `text_offset`s index the returned text."""
+    tokenizer = smollm2[1]
+    prompt_ids = tokenizer(EMOJI_PROMPT)["input_ids"]
+    expected = reference(smollm2, prompt_ids, 12)
+    assert "\U0001f355" in expected  # the case under test: pizzas split over several tokens each
+    reply = client.completions.create(model=MODEL, prompt=EMOJI_PROMPT, max_tokens=12, temperature=0, logprobs=1)
+    choice = reply.choices[0]
+    text, tokens, offsets = choice.text, choice.logprobs.tokens, choice.logprobs.text_offset
+    assert text == expected and len(tokens) == len(offsets) == 12
+    assert any(token.startswith("bytes:\\x") for token in tokens)
+    assert offsets == sorted(offsets) and all(0 <= offset <= len(text) for offset in offsets)
+    for token, offset in zip(tokens, offsets):  # a whole-character token's text is where its offset points
+        if not token.startswith("bytes:"):
+            assert text[offset : offset + len(token)] == token
+    rebuilt = bytes(int(part, 16) for token in tokens if token.startswith("bytes:") for part in token[8:].split("\\x"))
+    assert "\U0001f355".encode() in rebuilt
+    messages = [{"role": "user", "content": "Reply with three pizza emoji: 🍕🍕🍕"}]
+    options = dict(model=MODEL, messages=messages, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**options).choices[0]
+    chunks = list(client.chat.completions.create(**options, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    for content, entries in [(whole.message.content, whole.logprobs.content), (None, streamed)]:
+        content = (
+            content if content is not None else "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        )
+        assert any(e.token.startswith("bytes:") for e in entries), [e.token for e in entries]
+        text_bytes = b"".join(bytes(e.bytes) for e in entries if e.token != tokenizer.eos_token)
+        assert text_bytes.decode("utf-8") == content
+        for entry in entries:
+            assert all(bytes(a.bytes).decode("utf-8", "replace") == a.token or a.token.startswith("bytes:")
+                       for a in entry.top_logprobs)  # fmt: skip
+
+
 def test_n_choices_with_a_seed_are_reproducible(client):
     options = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 10, "temperature": 0.9, "n": 2, "seed": 7}
     first = client.completions.create(**options)

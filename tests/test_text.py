@@ -82,6 +82,25 @@ def test_a_stop_string_may_begin_in_the_prompt(tokenizer):
     assert stream(short, output)[-1] == "" and short.stopped
     inside = TextTracker(tokenizer, ("France",), prompt)  # in the prompt alone: no stop
     assert stream(inside, output)[-1] == " Paris." and not inside.stopped
+    assert len(output) == 2  # " Paris", "."
+    later = TextTracker(tokenizer, ("is Paris.",), prompt)  # " Paris" continues it: held back until it stops
+    assert stream(later, output) == ["", ""] and later.stopped
+
+
+def test_only_an_end_that_begins_a_stop_string_is_held_back(tokenizer):
+    """Streamed text keeps pace with its tokens: what is held back is the longest end of the text that begins a
+    stop string, nothing more (a fixed tail as long as the longest stop string would lag behind the tokens)."""
+    prompt = tokenizer("Count:")["input_ids"]
+    output = tokenizer(" one, two, three, four, five")["input_ids"]
+    stops = ("three!", ", fi")
+    tracker = TextTracker(tokenizer, stops, prompt)
+    for count in range(1, len(output)):  # the last token, " five", ends ", fi"
+        tracker.update(output[:count])
+        text = tokenizer.decode(output[:count])
+        held = max((n for n in range(1, 6) if any(s.startswith(text[-n:]) for s in stops)), default=0)
+        assert tracker.visible == text[: len(text) - held], (count, text)
+    tracker.update(output)
+    assert tracker.stopped and tracker.visible == " one, two, three, four"
 
 
 def test_each_step_decodes_a_few_tokens_not_the_whole_output(tokenizer):

@@ -180,6 +180,60 @@ def test_pool_figure_default_window_and_tables_panel():
     assert ids == ["0", "1", "0", "1", "5"]
 
 
+def drawn_outside(fig) -> list[str]:
+    """What `fig.savefig` would cut: every text, legend and patch whose extent leaves the saved figure."""
+    import io
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    if not isinstance(fig.canvas, FigureCanvasAgg):
+        FigureCanvasAgg(fig)
+    fig.savefig(io.BytesIO(), format="png")  # a plain savefig, as the README shows (no bbox_inches)
+    renderer, frame = fig.canvas.get_renderer(), fig.bbox
+    artists = [fig._suptitle] if fig._suptitle is not None else []
+    artists += fig.legends
+    for ax in fig.axes:
+        artists += [ax.title, *ax.texts, *ax.patches] + ([ax.get_legend()] if ax.get_legend() else [])
+    outside = []
+    for artist in artists:
+        box = artist.get_window_extent(renderer)
+        if box.width and not (
+            box.x0 >= frame.x0 - 1 and box.x1 <= frame.x1 + 1 and box.y0 >= frame.y0 - 1 and box.y1 <= frame.y1 + 1
+        ):
+            outside.append(artist.get_text() if hasattr(artist, "get_text") else type(artist).__name__)
+    return outside
+
+
+def test_pool_figure_title_counts_cached_blocks_as_the_text_does():
+    allocator, tables, _ = known_state()
+    title = plot_pool(allocator, tables, max_blocks=12).axes[0].get_title()
+    assert title == render_pool_text(allocator, tables, max_blocks=12).splitlines()[0]
+    assert "(2 of them cached)" in title
+
+
+@pytest.mark.parametrize("show_tables", [False, True], ids=["grid", "grid-and-tables"])
+def test_a_plain_savefig_shows_the_whole_pool_figure(show_tables):
+    """A narrow grid (two blocks shown) under a long title, long labels and the whole legend: nothing is cut."""
+    allocator = BlockAllocator(num_blocks=65_536, block_size=16)
+    tables = {}
+    for name in ["a sequence with a long label", "another one"]:
+        tables[name] = allocator.new_table()
+        allocator.append(tables[name], 4000)
+    cached = allocator.new_table()
+    allocator.append(cached, 16)
+    ((block_hash, block_tokens),) = chain(root_hash(b"test"), list(range(16)), 16)
+    allocator.cache_block(cached.block_ids[0], block_hash, block_tokens)
+    allocator.free(cached)
+    fig = plot_pool(allocator, tables, columns=4, max_blocks=4, show_tables=show_tables)
+    assert drawn_outside(fig) == []
+    assert "(1 of them cached)" in fig.axes[0].get_title()
+
+
+def test_a_plain_savefig_shows_the_whole_fragmentation_figure():
+    fig = plot_fragmentation([1, 3], reserve=3, block_size=1, title="naive reservation next to paging, " * 3)
+    assert drawn_outside(fig) == []
+
+
 def test_pool_figure_of_a_paged_cache_matches_its_stats(llama):
     input_ids = torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(1))
     out = llama.generate(

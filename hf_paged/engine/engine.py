@@ -23,7 +23,7 @@ from .request import Request, RequestOutput, RequestStatus
 from .routing import OutputRouter
 from .sampler import next_tokens, token_logprobs
 from .scheduler import Scheduler, Step
-from .stats import EngineStats, percentile
+from .stats import EngineStats, LatencyHistograms, Reservoir, percentile
 from .text import TextTracker
 
 Prompt = str | Sequence[int]
@@ -127,6 +127,7 @@ class Engine:
         self._ids = itertools.count()
         self._router = OutputRouter()  # each generate/stream call's outputs go to it, whoever steps
         self.last_stats: EngineStats | None = None
+        self.latency = LatencyHistograms()  # since the engine was created: what /metrics shows
         self.reset_stats()
 
     @property
@@ -270,6 +271,11 @@ class Engine:
 
     def _run(self, step: Step) -> list[Request]:
         """Run `step`; returns the requests that got a token (a prompt chunk short of the end gets none)."""
+        now = time.perf_counter()
+        for request in step.admitted:
+            if request.admission_time is None:  # its first admission (a preempted request was admitted before)
+                request.admission_time = now
+                self.latency.request_queue_time.observe(now - request.arrival_time)
         self._counters["admitted_tokens"] += sum(r.num_tokens for r in step.admitted)
         self._counters["prefix_tokens_reused"] += sum(  # a step's blocks are taken: its chunk is in the rows
             r.row.num_tokens - count for r, count in zip(step.requests, step.new_tokens) if r in step.admitted
@@ -290,7 +296,9 @@ class Engine:
             raise
         self._counters["steps"] += 1
         self._counters[f"{step.kind}_steps"] += 1
+        latency = self.latency
         for request, token, logprob in zip(sampled, tokens, logprobs):
+            previous = request.last_token_time
             try:
                 request.append_token(token, logprob)
             except Exception as error:  # its text failed (the tokenizer cannot decode the token): it alone ends
@@ -298,6 +306,10 @@ class Engine:
                     request, "error", f"decoding token {token} failed: {type(error).__name__}: {error}"
                 )
                 continue
+            if previous is None:
+                latency.time_to_first_token.observe(request.first_token_time - request.arrival_time)
+            else:
+                latency.inter_token_latency.observe(request.last_token_time - previous)
             reason = self._finish_reason(request, token)
             if reason is not None:
                 self.scheduler.finish(request, reason)
@@ -477,7 +489,8 @@ class Engine:
                 ),
                 0,
             )
-            self._ttfts: list[float] = []
+            self._ttfts = Reservoir()  # bounded: a long-running engine keeps a sample, not every request's
+            self._ttft_sum = 0.0
             self._preemptions_at_reset = self.scheduler.num_preemptions
             self._start_time = self._last_step_time = time.perf_counter()
             self.pool.reset_peak()
@@ -494,8 +507,8 @@ class Engine:
                 elapsed_s=elapsed,
                 requests_per_s=c["num_requests"] / elapsed,
                 tokens_per_s=c["generated_tokens"] / elapsed,
-                mean_ttft_s=sum(self._ttfts) / len(self._ttfts) if self._ttfts else None,
-                p90_ttft_s=percentile(self._ttfts, 0.9),
+                mean_ttft_s=self._ttft_sum / self._ttfts.count if self._ttfts.count else None,
+                p90_ttft_s=percentile(self._ttfts.values, 0.9),
                 num_steps=c["steps"],
                 prefill_steps=c["prefill_steps"],
                 decode_steps=c["decode_steps"],
@@ -512,7 +525,11 @@ class Engine:
         self._counters["prompt_tokens"] += len(request.prompt_token_ids)
         self._counters["generated_tokens"] += len(request.output_token_ids)
         if request.first_token_time is not None:
-            self._ttfts.append(request.first_token_time - request.arrival_time)
+            ttft = request.first_token_time - request.arrival_time
+            self._ttfts.add(ttft)
+            self._ttft_sum += ttft
+        if request.finish_reason in ("stop", "length") and request.finish_time is not None:
+            self.latency.e2e_request_latency.observe(request.finish_time - request.arrival_time)
 
     def close(self) -> None:
         """Abort every request and return all blocks to the pool."""

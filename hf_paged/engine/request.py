@@ -94,7 +94,10 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
+    admission_time: float | None = None  # when the scheduler first admitted it
     first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_time: float | None = None
     num_preemptions: int = 0
     prefix_tokens_reused: int = 0
     _reported_tokens: int = 0
@@ -115,8 +118,9 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def append_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
+        self.last_token_time = time.perf_counter()
         if self.first_token_time is None:
-            self.first_token_time = time.perf_counter()
+            self.first_token_time = self.last_token_time
         self.output_token_ids.append(token_id)
         if logprob is not None:
             if self.logprobs is None:
@@ -126,6 +130,7 @@ class Request:
             self.text.update(self.output_token_ids)
 
     def finish(self, reason: str, error: str | None = None) -> None:
+        self.finish_time = time.perf_counter()
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.error = error

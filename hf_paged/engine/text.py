@@ -7,9 +7,10 @@ class TextTracker:
     """Decodes a request's generated tokens and watches for stop strings.
 
     `visible` is the text safe to show: it never ends in an incomplete character, and while the request runs it
-    holds back a tail that could still become a stop string. `stopped` tells that a stop string appeared; the text
-    then ends just before it. A stop string may begin in the prompt (`prompt_ids`) and end in the output, as with
-    `generate`'s `stop_strings`; the text is then empty.
+    holds back only the end of the text that could still become a stop string (the longest end that begins one,
+    or, early on, what continues one begun in the prompt), so streamed text keeps pace with its tokens. `stopped`
+    tells that a stop string appeared; the text then ends just before it. A stop string may begin in the prompt
+    (`prompt_ids`) and end in the output, as with `generate`'s `stop_strings`; the text is then empty.
 
     Example:
 
@@ -22,6 +23,9 @@ class TextTracker:
     ('ab', False)
     >>> tracker.update([0, 1, 2, 3]); tracker.visible, tracker.stopped
     ('ab', True)
+    >>> tracker = TextTracker(Letters(), stop=("cd",))
+    >>> tracker.update([0, 1]); tracker.visible  # no end of "ab" begins "cd": nothing is held back
+    'ab'
 
     ```
     """
@@ -50,9 +54,34 @@ class TextTracker:
         if self.stopped:
             self.visible = text
             return
-        safe = text[: len(text) - self._holdback] if self._holdback else text
+        held = self._stop_prefix_length(text)
+        if self._prompt_tail and held < len(text) < self._holdback and self._stop_begun_in_prompt(token_ids):
+            held = len(text)  # a stop string begun in the prompt may still end in the output's next characters
+        safe = text[: len(text) - held]
         if len(safe) > len(self.visible) and safe.startswith(self.visible):
             self.visible = safe
+
+    def _stop_prefix_length(self, text: str) -> int:
+        """The length of the longest end of `text` that begins a stop string: all that must be held back, since
+        only it could still become one (a stop string found in `text` already cut it)."""
+        for length in range(min(self._holdback, len(text)), 0, -1):
+            tail = text[-length:]
+            if any(stop.startswith(tail) for stop in self.stop):
+                return length
+        return 0
+
+    def _stop_begun_in_prompt(self, token_ids: list[int]) -> bool:
+        """Whether a stop string begins in the prompt's text and every character after its start, up to the end of
+        the output's text so far, matches it (decoded together, as in `_stop_across_prompt_end`)."""
+        head = self.tokenizer.decode(self._prompt_tail, skip_special_tokens=True)
+        joint = self.tokenizer.decode(self._prompt_tail + list(token_ids), skip_special_tokens=True)
+        if not joint.startswith(head):
+            return True  # cannot tell where the output begins: hold it back, as before the stop strings are known
+        for stop in self.stop:
+            for start in range(max(0, len(head) - len(stop) + 1), len(head)):
+                if stop.startswith(joint[start:]):
+                    return True
+        return False
 
     def finish(self, token_ids: list[int]) -> None:
         """The request ended: show everything (up to a stop string), an incomplete last character included. Text

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import re
 import signal
 import sys
+from pathlib import Path
 
 from ..config import parse_memory
 
@@ -28,22 +31,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--served-model-name", help="the model id clients ask for (default: MODEL_PATH's name)")
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=_port, default=8000)
     serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     serve.add_argument("--device", default=None, help="e.g. cuda:0 (default: cuda when available, else cpu)")
-    serve.add_argument("--block-size", type=int, default=16)
+    serve.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block (default 16)")
     size = serve.add_mutually_exclusive_group()
-    size.add_argument("--num-blocks", type=int, help="KV blocks in the pool")
-    size.add_argument("--max-memory", help='KV memory for the pool, e.g. "512MiB"')
-    serve.add_argument("--max-batch-size", type=int, default=64)
+    size.add_argument("--num-blocks", type=_positive, help="KV blocks in the pool")
+    size.add_argument(
+        "--max-memory", type=_memory, help='KV memory for the pool, e.g. "512MiB" (at least one block\'s worth)'
+    )
     serve.add_argument(
-        "--max-prefill-tokens", type=int, default=4096, help="tokens per prefill forward; longer prompts are chunked"
+        "--max-batch-size", type=_positive, default=64, help="most requests running at once (default 64)"
+    )
+    serve.add_argument(
+        "--max-prefill-tokens",
+        type=_positive,
+        default=4096,
+        help="tokens per prefill forward; longer prompts are chunked (default 4096)",
     )
     serve.add_argument(
         "--max-num-batched-tokens",
-        type=int,
+        type=_positive,
         default=512,
-        help="tokens per step while requests decode (theirs plus prompt tokens): bounds how long a prompt stalls them",
+        help="tokens per step while requests decode (theirs plus prompt tokens): bounds how long a prompt stalls them "
+        "(default 512); at least --max-batch-size, since a step holds one token of every running request",
     )
     serve.add_argument(
         "--api-key",
@@ -78,8 +89,42 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a rank waits for the others before the group stops with an error (default "
         f"{DEFAULT_TP_TIMEOUT_S:g})",
     )
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--log-level", type=_log_level, default="info", help=f"one of {', '.join(LOG_LEVELS)}")
     return parser
+
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def _positive(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {number}")
+    return number
+
+
+def _port(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a port number in [0, 65535], got {value!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in [0, 65535], got {port}")
+    return port
+
+
+def _memory(value: str) -> str:
+    _size(value)  # refused here if it is no memory size; kept as written for the pool's messages
+    return value
+
+
+def _log_level(value: str) -> str:
+    if value.lower() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(LOG_LEVELS)}, got {value!r}")
+    return value.lower()
 
 
 def _degree(value: str) -> int:
@@ -96,7 +141,7 @@ def _size(value: str) -> int:
     try:
         return parse_memory(int(value) if value.isdigit() else value)
     except (TypeError, ValueError) as error:
-        raise argparse.ArgumentTypeError(str(error).replace("max_memory", "size")) from None
+        raise argparse.ArgumentTypeError(str(error).replace("max_memory=", "").replace("max_memory", "size")) from None
 
 
 def _seconds(value: str) -> float:
@@ -114,6 +159,102 @@ def _timeout(value: str) -> float:
     if seconds <= 0:
         raise argparse.ArgumentTypeError(f"the timeout must be > 0 seconds, got {value}")
     return seconds
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class UsageError(ValueError):
+    """A command line option the model or the machine cannot honour: reported as a usage error (status 2)."""
+
+
+def check_serve_args(args) -> None:
+    """Refuse what `hf-paged serve` cannot run with, before anything loads: options that contradict each other,
+    a `--device` this machine does not have, a model folder that does not exist (and is no Hub id) or holds no
+    model, a `--max-memory` below one KV block of the model (read from its config.json).
+
+    Raises:
+        UsageError: naming the option, its value and the limit.
+    """
+    if args.max_num_batched_tokens < args.max_batch_size:
+        raise UsageError(
+            f"--max-num-batched-tokens {args.max_num_batched_tokens} is below --max-batch-size {args.max_batch_size}: "
+            "a step holds one token of every running request, so it must be at least --max-batch-size"
+        )
+    if args.device is not None:
+        _check_device(args.device)
+    config = _check_model_path(args.model_path, args.gguf_file)
+    if args.max_memory is not None and config is not None:
+        _check_memory(args.max_memory, args.block_size, args.dtype, config)
+
+
+def _check_device(name: str) -> None:
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as error:
+        raise UsageError(f"--device {name!r} is not a device: {error}") from None
+    if device.type == "cpu":
+        return
+    backend = getattr(torch, device.type, None)
+    available = getattr(backend, "is_available", None)
+    if device.type == "mps":
+        available = torch.backends.mps.is_available
+    if available is None or not available():
+        raise UsageError(f"--device {name}: this machine has no {device.type.upper()} device (torch sees none)")
+    count = getattr(backend, "device_count", None)
+    if device.index is not None and count is not None and device.index >= count():
+        raise UsageError(f"--device {name}: there is no device {device.index}; {count()} visible (0 to {count() - 1})")
+
+
+def _check_model_path(path: str, gguf_file: str | None) -> dict | None:
+    """The model folder's config.json (`None` where there is none to read: a Hub id, a GGUF file)."""
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        if path.startswith((".", "/", "~")) or ".." in path or "--" in path or not _HUB_ID.match(path):
+            raise UsageError(f"model path {path!r}: no such folder, and not a Hugging Face Hub id (owner/name)")
+        return None  # a Hub id: from_pretrained downloads it (or says it does not exist)
+    if not folder.is_dir():
+        raise UsageError(
+            f"model path {path!r} is a file: give the folder that holds the model (a GGUF file: the folder, then "
+            "--gguf-file NAME)"
+        )
+    if gguf_file is not None:
+        if not (folder / gguf_file).is_file():
+            raise UsageError(f"--gguf-file {gguf_file!r}: no such file in {path}")
+        return None
+    config = folder / "config.json"
+    if not config.is_file():
+        ggufs = sorted(p.name for p in folder.glob("*.gguf"))
+        hint = f"; to load a GGUF file, add --gguf-file {ggufs[0]}" if ggufs else ""
+        raise UsageError(f"model folder {path!r} has no config.json, so no model to load{hint}")
+    try:
+        return json.loads(config.read_text())
+    except (OSError, ValueError) as error:
+        raise UsageError(f"model folder {path!r}: its config.json cannot be read: {error}") from None
+
+
+def _check_memory(max_memory: str, block_size: int, dtype: str, config: dict) -> None:
+    """Refuse a `--max-memory` below one block of K and V in every layer (a lower bound of the pool's own
+    figure: 2-byte values unless `--dtype float32`)."""
+    text = config.get("text_config") or config
+    try:
+        layers = int(text["num_hidden_layers"])
+        heads = int(text["num_attention_heads"])
+        kv_heads = int(text.get("num_key_value_heads") or heads)
+        head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return  # an unusual config: the pool says it when it is sized
+    block_bytes = 2 * layers * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 2) * block_size
+    budget = _size(max_memory)
+    if budget < block_bytes:
+        raise UsageError(
+            f"--max-memory {max_memory} ({budget} bytes) is less than one KV block of this model: {block_size} "
+            f"tokens x {layers} layers x K and V x {kv_heads} KV heads x {head_dim} x "
+            f"{_DTYPE_BYTES.get(dtype, 2)} bytes = {block_bytes} bytes"
+        )
 
 
 def api_key(args) -> str | None:
@@ -179,15 +320,18 @@ def serve(args) -> None:
         pool_options["num_blocks"] = args.num_blocks
     if args.max_memory is not None:
         pool_options["max_memory"] = args.max_memory
-    engine = Engine(
-        model,
-        tokenizer,
-        max_batch_size=args.max_batch_size,
-        max_prefill_tokens=args.max_prefill_tokens,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        progress=False,
-        **pool_options,
-    )
+    try:
+        engine = Engine(
+            model,
+            tokenizer,
+            max_batch_size=args.max_batch_size,
+            max_prefill_tokens=args.max_prefill_tokens,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            progress=False,
+            **pool_options,
+        )
+    except ValueError as error:  # a pool the options cannot size (--max-memory below one block, ...)
+        raise UsageError(str(error)) from None
     if rank is not None:
         import torch.distributed as dist
 
@@ -226,16 +370,23 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    serve_parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    try:
+        check_serve_args(args)  # before any model loads: a usage error, not a traceback after minutes of loading
+    except UsageError as error:
+        serve_parser.error(str(error))
     try:
         if args.command == "serve" and args.tp > 1 and launched_rank() is None:
             logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
             try:
                 check_tp_degree(args.model_path, args.tp, gguf_file=args.gguf_file, device=args.device)
             except ValueError as error:
-                parser.error(str(error))
+                serve_parser.error(str(error))
             return launch(argv, args.tp)
         if args.command == "serve":
             serve(args)
+    except UsageError as error:  # found once the model is loaded (the pool's size for --max-memory, ...)
+        serve_parser.error(str(error))
     except KeyboardInterrupt:  # before the server took over the signals (e.g. while the model loads)
         return 130
     return 0

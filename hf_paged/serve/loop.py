@@ -77,6 +77,11 @@ class EngineLoop:
     def accepting(self) -> bool:
         return self._accepting
 
+    @property
+    def idle(self) -> bool:
+        """Whether no request is in flight: none queued to add, none whose final output is still to deliver."""
+        return self._inbox.empty() and not self._subscribers
+
     async def submit(self, prompt_ids: list[int], choices: Sequence[dict], deliver: Deliver) -> list[str]:
         """Add one engine request per entry of `choices` (options for `Engine.add_request`), all or none, and return
         their ids; outputs go to `deliver(choice index, output)` on the engine thread. Raises what `add_request`

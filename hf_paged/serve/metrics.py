@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from ..engine import Engine
 from ..engine.distributed import RankState
+from ..engine.stats import LatencyHistograms
 
 _SAMPLES = (  # name, kind, help
     ("hf_paged_kv_blocks_used", "gauge", "KV blocks held by running requests"),
@@ -32,6 +33,13 @@ _SAMPLES = (  # name, kind, help
     ("hf_paged_rank_kv_bytes_used", "gauge", "Bytes of KV blocks in use in each rank's pool"),
     ("hf_paged_rank_kv_bytes_total", "gauge", "Bytes of each rank's KV pool"),
 )
+_HISTOGRAMS = (  # name, LatencyHistograms field, help
+    ("hf_paged_time_to_first_token_seconds", "time_to_first_token", "Seconds from arrival to first token"),
+    ("hf_paged_inter_token_latency_seconds", "inter_token_latency", "Seconds between two tokens of a request"),
+    ("hf_paged_e2e_request_latency_seconds", "e2e_request_latency",
+     "Seconds from a request's arrival to its end (stop or length)"),
+    ("hf_paged_request_queue_time_seconds", "request_queue_time", "Seconds from arrival to first admission"),
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -41,10 +49,12 @@ class MetricsSnapshot:
     Attributes:
         values (`dict[str, float]`): metric name to value.
         taken_at (`float`): `time.monotonic()` when it was taken.
+        latency (`LatencyHistograms`, *optional*): a copy of the engine's latency histograms.
     """
 
     values: dict[str, float]
     taken_at: float
+    latency: LatencyHistograms | None = None
 
     @classmethod
     def take(cls, engine: Engine, totals: dict[str, int], taken_at: float) -> MetricsSnapshot:
@@ -80,14 +90,20 @@ class MetricsSnapshot:
             values["hf_paged_rank_kv_usage_ratio" + label] = used / total if total else 0.0
             values["hf_paged_rank_kv_bytes_used" + label] = state.kv_bytes_used
             values["hf_paged_rank_kv_bytes_total" + label] = state.kv_bytes_total
-        return cls({name: float(value) for name, value in values.items()}, taken_at)
+        latency = getattr(engine, "latency", None)
+        return cls(
+            {name: float(value) for name, value in values.items()},
+            taken_at,
+            None if latency is None else latency.copy(),
+        )
 
 
 def render_metrics(snapshot: MetricsSnapshot) -> str:
     """Prometheus exposition text of `snapshot`: KV blocks used/free, usage and waste, prefix hit rate, preemptions,
     requests running/waiting, the server's request, token and step counters (steps by kind, positions computed and
-    pad positions among them), and each tensor-parallel rank's KV blocks and bytes (labelled `rank="0"`, ...; one
-    rank without tensor parallelism).
+    pad positions among them), each tensor-parallel rank's KV blocks and bytes (labelled `rank="0"`, ...; one
+    rank without tensor parallelism), and the latency histograms (time to first token, inter-token latency,
+    end-to-end latency, queue time: `_bucket{le="..."}`, `_sum`, `_count`).
 
     Example:
 
@@ -104,4 +120,11 @@ def render_metrics(snapshot: MetricsSnapshot) -> str:
         if samples:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
             lines += [f"{key} {snapshot.values[key]:g}" for key in samples]
+    if snapshot.latency is not None:
+        for name, field, help_text in _HISTOGRAMS:
+            histogram = getattr(snapshot.latency, field)
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+            bounds = [f"{bound:g}" for bound in histogram.bounds] + ["+Inf"]
+            lines += [f'{name}_bucket{{le="{le}"}} {count}' for le, count in zip(bounds, histogram.cumulative())]
+            lines += [f"{name}_sum {histogram.sum:.6f}", f"{name}_count {histogram.count}"]
     return "\n".join(lines) + "\n"

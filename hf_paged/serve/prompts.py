@@ -57,8 +57,11 @@ class PromptEncoder:
                 "context_length_exceeded",
             )
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a completion prompt (token ids are returned as given, once checked against the vocabulary)."""
+    def encode(self, prompt: str | list[int], special_tokens: bool = True) -> list[int]:
+        """Token ids of a completion prompt (token ids are returned as given, once checked against the vocabulary).
+        A text prompt is tokenized as `tokenizer(prompt)` does, with the tokenizer's special tokens (a BOS token,
+        for most tokenizers), as stock `generate` users and vLLM tokenize it; `special_tokens=False` for a text
+        that already holds them (a chat template's)."""
         if isinstance(prompt, list):
             bad = [] if self.vocab_size is None else out_of_vocabulary(prompt, self.vocab_size)
             if bad:
@@ -66,7 +69,7 @@ class PromptEncoder:
             return prompt
         if self.tokenizer is None:
             raise APIError(400, "this server has no tokenizer: send the prompt as a list of token ids", "prompt")
-        return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(prompt, add_special_tokens=special_tokens)["input_ids"]
 
     def chat_text(self, messages: list[dict]) -> str:
         """The chat template applied to `messages`, ending with the assistant's turn."""

@@ -31,9 +31,10 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions. Numbers are finite: JSON has no NaN or Infinity, which
+    Python's parser reads anyway (`"temperature": NaN` is refused as not a finite number)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=0)

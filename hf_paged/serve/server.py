@@ -140,7 +140,7 @@ def _chat_ids(encoder: PromptEncoder, messages: list[dict]) -> list[int]:
         raise
     except Exception as error:  # noqa: BLE001 - a template that refuses these messages (roles out of order, ...)
         raise APIError(400, f"messages: the chat template failed: {error}", "messages") from None
-    return encoder.encode(text)
+    return encoder.encode(text, special_tokens=False)  # the template holds the special tokens
 
 
 def _decode(engine, prompt_ids: list[int]) -> str:
@@ -152,12 +152,24 @@ def _decode(engine, prompt_ids: list[int]) -> str:
 def _options(engine, body: SamplingFields, prompt_ids: list[int], chat: bool, logprobs: int | None) -> dict:
     """`Engine.add_request` options of every choice (their seeds apart), or a 400 naming the field."""
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if chat and max_tokens == 0:  # OpenAI refuses it for chat (completions take 0: the echoed prompt alone)
+        name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        raise APIError(400, f"{name}: must be at least 1 for chat completions, got 0", name)
+    if not prompt_ids:
+        raise APIError(400, "the prompt is empty", "prompt")
+    if engine.max_context is not None and len(prompt_ids) >= engine.max_context:
+        where = "messages" if chat else "prompt"
+        raise APIError(
+            400,
+            f"{where}: the prompt has {len(prompt_ids)} tokens, which leaves no room for an answer in the model's "
+            f"context window of {engine.max_context} tokens",
+            where,
+            "context_length_exceeded",
+        )
     if max_tokens is None:
         max_tokens = CHAT_DEFAULT_MAX_TOKENS if chat else COMPLETION_DEFAULT_MAX_TOKENS
         if engine.max_context is not None:
             max_tokens = max(0, min(max_tokens, engine.max_context - len(prompt_ids)))
-    if not prompt_ids:
-        raise APIError(400, "the prompt is empty", "prompt")
     if engine.max_context is not None and len(prompt_ids) + max_tokens > engine.max_context:
         raise APIError(
             400,

@@ -106,6 +106,7 @@ def plot_pool(
         raise ValueError("show_tables draws its own panel: call plot_pool without ax")
     colors = _colors(matplotlib, len(snapshot.labels))
     span = max([columns] + [len(ids) for ids in snapshot.tables] if show_tables else [columns])
+    own_figure = ax is None
     if ax is None:
         cell = min(0.42, 12.5 / span)  # inches per block
         grid_height = num_rows * cell + 0.7
@@ -123,10 +124,11 @@ def plot_pool(
         x, y = block.block_id % columns, num_rows - 1 - block.block_id // columns
         _draw_block(ax, Rectangle, snapshot, block, x, y, colors, small)
     _frame(ax, span, num_rows)
-    num_used = snapshot.count(USED)
+    num_used, num_evictable = snapshot.count(USED), snapshot.count(EVICTABLE)
+    free = f"{snapshot.num_blocks - num_used} free" + (f" ({num_evictable} of them cached)" if num_evictable else "")
     summary = (
-        f"{snapshot.num_blocks} blocks x {snapshot.block_size} tokens: {num_used} used, "
-        f"{snapshot.num_blocks - num_used} free; blocks 0-{shown - 1} shown"
+        f"{snapshot.num_blocks} blocks x {snapshot.block_size} tokens: {num_used} used, {free}; "
+        f"blocks 0-{shown - 1} shown"
     )
     ax.set_title(summary if title is None else title, fontsize=10)
     handles = [Patch(facecolor=color, label=label) for color, label in zip(colors, snapshot.labels)]
@@ -134,6 +136,8 @@ def plot_pool(
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     if table_ax is not None:
         _draw_tables(table_ax, Rectangle, snapshot, colors, span)
+    if own_figure:
+        fit_to_contents(fig)
     return fig
 
 
@@ -383,7 +387,30 @@ def plot_fragmentation(
     fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 6), fontsize=8, frameon=False)
     total = sum(lengths)
     fig.suptitle(title or f"{len(lengths)} sequences, {total} tokens: naive reservation vs paging", fontsize=10)
+    fit_to_contents(fig)
     return fig
+
+
+def fit_to_contents(fig, margin_in: float = 0.05, rounds: int = 3) -> None:
+    """Grow `fig` until everything drawn (titles, legends, labels outside the axes) lies inside it, so that a plain
+    `fig.savefig(path)` shows it all (constrained layout moves axes to make room, but never enlarges the figure, so a
+    title or legend wider than the figure would be cut). The figure gets an Agg canvas, which draws off screen."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    if not isinstance(fig.canvas, FigureCanvasAgg):
+        FigureCanvasAgg(fig)
+    for _ in range(rounds):
+        renderer = fig.canvas.get_renderer()
+        fig.draw_without_rendering()
+        box = fig.get_tightbbox(renderer)  # inches
+        width, height = fig.get_size_inches()
+        grow_x = max(0.0, -box.x0) + max(0.0, box.x1 - width)
+        grow_y = max(0.0, -box.y0) + max(0.0, box.y1 - height)
+        if grow_x <= 0.01 and grow_y <= 0.01:
+            return
+        fig.set_size_inches(
+            width + grow_x + 2 * margin_in * (grow_x > 0), height + grow_y + 2 * margin_in * (grow_y > 0)
+        )
 
 
 def _frame(ax, width: int, height: int) -> None:
