@@ -23,6 +23,16 @@ LONG_TESTS = os.environ.get("HF_PAGED_LONG_TESTS") == "1"
 KERNEL_MATRIX = ("auto", "gather")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` skip cleanly where there is no CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 def pytest_generate_tests(metafunc):
     if metafunc.definition.get_closest_marker("kernel_matrix") is not None:
         metafunc.parametrize("paged_kernel", KERNEL_MATRIX, indirect=True)
