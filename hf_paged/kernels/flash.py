@@ -162,9 +162,10 @@ def attention(
 
 def fallback_attention(*args) -> torch.Tensor:
     """A call flash-attn cannot express, by the Triton kernel where it runs, else by gathering."""
-    from . import triton as triton_backend
     from .reference import gather_paged_attention
+    from .triton import attention as triton_attention
+    from .triton import supports as triton_supports
 
-    if triton_backend.supports(args[0], args[1]):
-        return triton_backend.attention(*args)
+    if triton_supports(args[0], args[1]):
+        return triton_attention(*args)
     return gather_paged_attention(*args)
