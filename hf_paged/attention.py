@@ -55,10 +55,11 @@ def paged_attention_forward(
             return _packed_attention(
                 module, query, paged_cache, layer_idx, packed, scaling, dropout, softcap, s_aux, **kwargs
             )
-        if _in_place_possible(module, query, paged_cache, layer_idx, dropout, kwargs) and paged_cache.kernel.takes(
-            query.shape[2]
-        ):
-            out = _in_place_right_aligned(query, paged_cache, layer_idx, attention_mask, scaling, softcap, s_aux)
+        backend = _in_place_backend(module, query, paged_cache, layer_idx, dropout, kwargs)
+        if backend is not None and paged_cache.kernel.takes(query.shape[2]):
+            out = _in_place_right_aligned(
+                backend, query, paged_cache, layer_idx, attention_mask, scaling, softcap, s_aux
+            )
             if out is not None:
                 return out, None
         if _groups_possible(query, attention_mask, kwargs):
@@ -82,24 +83,25 @@ def paged_attention_forward(
     return _attention(module, query, key, value, attention_mask, scaling, dropout, softcap, s_aux, **kwargs)
 
 
-def _in_place_possible(module, query, paged_cache, layer_idx, dropout, kwargs) -> bool:
-    """Whether this attention call may read the blocks in place (`kernels`): a kernel was chosen, no attention
-    probabilities or eager math are asked for, no dropout, and the query is in the pool's dtype on its device."""
+def _in_place_backend(module, query, paged_cache, layer_idx, dropout, kwargs) -> str | None:
+    """The in-place backend (`kernels`) this attention call may read the blocks with, or `None`: a kernel was
+    chosen, no attention probabilities or eager math are asked for, no dropout, and the backend (or its fallback)
+    supports the query and the pool's blocks (dtype, device)."""
     if not paged_cache.kernel.in_place or kwargs.get("output_attentions") or kwargs.get("eager"):
-        return False
+        return None
     if dropout and module.training:
-        return False
+        return None
     key_cache, _ = paged_cache.layer_blocks(layer_idx)
-    return in_place_backend(paged_cache.kernel.backend).supports(query, key_cache)
+    return paged_cache.kernel.backend_for(query, key_cache)
 
 
-def _kernel_call(query, paged_cache, layer_idx, block_tables, seq_lens, query_start, scaling, softcap, s_aux):
-    """The in-place kernel over packed `query` (`[tokens, heads, head_dim]`) of the rows `block_tables` names."""
+def _kernel_call(backend, query, paged_cache, layer_idx, block_tables, seq_lens, query_start, scaling, softcap, s_aux):
+    """In-place `backend` over packed `query` (`[tokens, heads, head_dim]`) of the rows `block_tables` names."""
     key_cache, value_cache = paged_cache.layer_blocks(layer_idx)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     paged_cache.forward_batch.read_in_place(layer_idx)
-    paged_cache.count_attention(paged_cache.kernel.backend)
-    return in_place_backend(paged_cache.kernel.backend).attention(
+    paged_cache.count_attention(backend)
+    return in_place_backend(backend).attention(
         query,
         key_cache,
         value_cache,
@@ -113,7 +115,7 @@ def _kernel_call(query, paged_cache, layer_idx, block_tables, seq_lens, query_st
     )
 
 
-def _in_place_right_aligned(query, paged_cache, layer_idx, attention_mask, scaling, softcap, s_aux):
+def _in_place_right_aligned(backend, query, paged_cache, layer_idx, attention_mask, scaling, softcap, s_aux):
     """Attention of a right-aligned forward read in place, `[batch, new, heads, head_dim]`, or `None` when the
     model's mask says more than "each row's tokens, causally, in the window" (`ForwardBatch.in_place_readable`)."""
     batch = paged_cache.forward_batch
@@ -122,8 +124,10 @@ def _in_place_right_aligned(query, paged_cache, layer_idx, attention_mask, scali
     rows, num_heads, num_new, head_dim = query.shape
     packed = query.transpose(1, 2).reshape(rows * num_new, num_heads, head_dim)
     block_tables, seq_lens = batch.kernel_tables(layer_idx, query.device)
-    query_start = paged_cache.query_starts(rows, num_new)
-    out = _kernel_call(packed, paged_cache, layer_idx, block_tables, seq_lens, query_start, scaling, softcap, s_aux)
+    query_start = paged_cache.query_starts(rows, num_new, query.device)
+    out = _kernel_call(
+        backend, packed, paged_cache, layer_idx, block_tables, seq_lens, query_start, scaling, softcap, s_aux
+    )
     return out.view(rows, num_new, num_heads, head_dim)
 
 
@@ -186,7 +190,8 @@ def _packed_attention(module, query, paged_cache, layer_idx, packed, scaling, dr
     groups = packed.groups
     kernel = paged_cache.kernel
     part = None
-    if kernel.in_place and _in_place_possible(module, query, paged_cache, layer_idx, dropout, kwargs):
+    backend = _in_place_backend(module, query, paged_cache, layer_idx, dropout, kwargs) if kernel.in_place else None
+    if backend is not None:
         part = packed.in_place_part(kernel.max_queries)
     if part is not None:
         tokens = query[0].transpose(0, 1)  # [T, heads, head_dim], a view
@@ -196,7 +201,7 @@ def _packed_attention(module, query, paged_cache, layer_idx, packed, scaling, dr
         if part.token_index is not None:
             block_tables, seq_lens = block_tables.index_select(0, part.rows), seq_lens.index_select(0, part.rows)
         out = _kernel_call(
-            tokens, paged_cache, layer_idx, block_tables, seq_lens, part.query_start, scaling, softcap, s_aux
+            backend, tokens, paged_cache, layer_idx, block_tables, seq_lens, part.query_start, scaling, softcap, s_aux
         )
         if part.token_index is None:
             return out[None], None

@@ -13,6 +13,7 @@ from .groups import KVLayout
 from .key_groups import split_by_length
 from .rows import Row
 from .storage import KVStorage, head_rows
+from .transfer import device_tensor
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,8 @@ class QueryGroup:
         query_positions (`torch.Tensor`): `[rows, width]` logical position of every query slot.
         lengths (`torch.Tensor`): `[rows]` tokens of every row after this forward (its keys `0 .. length - 1`).
         key_length (`int`): the longest row of the group: keys past it are not read.
+        causal (`bool`): the group is one whole prompt (plain causal attention).
+        row_ids (`tuple[int, ...]`): `rows` on the host (read without a device synchronisation).
     """
 
     rows: torch.Tensor
@@ -111,6 +114,7 @@ class QueryGroup:
     lengths: torch.Tensor
     key_length: int
     causal: bool = False
+    row_ids: tuple[int, ...] = ()
     _masks: dict = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor | None:
@@ -208,22 +212,23 @@ class PackedRows:
         group_starts = [starts[row] for row in rows]
         group_pasts = [pasts[row] for row in rows]
         width = max(group_counts)
-        count_column = torch.tensor(group_counts, device=device)
-        start_column = torch.tensor(group_starts, device=device)
+        count_column = device_tensor(group_counts, device)
+        start_column = device_tensor(group_starts, device)
         last = torch.minimum(torch.arange(width, device=device)[None, :], count_column[:, None] - 1)
         unpack = start_column[:, None] + last  # spare query slots repeat the row's last token
         real = torch.arange(width, device=device)[None, :] < count_column[:, None]  # [rows, width] real queries
         lengths = [past + count for past, count in zip(group_pasts, group_counts)]
         return QueryGroup(
-            torch.tensor(rows, device=device),
+            device_tensor(rows, device),
             width,
             unpack.reshape(-1),
             unpack[real],  # real query slots, row by row: their packed tokens ...
             real.reshape(-1).nonzero().squeeze(1),  # ... and their places in the [rows * width] layout
-            torch.tensor(group_pasts, device=device)[:, None] + last,
-            torch.tensor(lengths, device=device),
+            device_tensor(group_pasts, device)[:, None] + last,
+            device_tensor(lengths, device),
             max(lengths),
             causal=len(rows) == 1 and group_pasts[0] == 0,
+            row_ids=tuple(rows),
         )
 
     @property
@@ -240,9 +245,10 @@ class PackedRows:
             if taken:
                 device = taken[0].rows.device
                 rows = torch.cat([g.rows for g in taken]) if len(taken) > 1 else taken[0].rows
-                counts = [self.counts[row] for row in rows.tolist()]
-                query_start = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32, device=device)
-                whole = len(taken) == len(self.groups) and rows.tolist() == list(range(len(self.counts)))
+                row_ids = [row for g in taken for row in g.row_ids]  # on the host: no device read
+                counts = [self.counts[row] for row in row_ids]
+                query_start = device_tensor([0, *itertools.accumulate(counts)], device, torch.int32)
+                whole = len(taken) == len(self.groups) and row_ids == list(range(len(self.counts)))
                 token_index = None if whole else torch.cat([g.token_index for g in taken])
                 rest = [g for g in self.groups if not (max_queries is None or g.width <= max_queries)]
                 part = InPlacePart(rows, query_start, token_index, rest)
@@ -360,7 +366,7 @@ class ForwardBatch:
         if key not in self._kernel_tables:
             tables = [row.tables[group] for row in self.rows]
             blocks, _ = _live_blocks(tables, device, torch.int32)
-            lengths = torch.tensor([table.num_tokens for table in tables], dtype=torch.int32, device=device)
+            lengths = device_tensor([table.num_tokens for table in tables], device, torch.int32)
             self._kernel_tables[key] = blocks, lengths
         return self._kernel_tables[key]
 
@@ -402,7 +408,7 @@ class ForwardBatch:
         device = attention_mask.device
         keys = torch.arange(length - width, length, device=device)[None, None, :]
         queries = torch.arange(length - num_new, length, device=device)[None, :, None]
-        expected = (keys <= queries) & (keys >= torch.tensor(pads, device=device)[:, None, None])
+        expected = (keys <= queries) & (keys >= device_tensor(pads, device)[:, None, None])
         if window is not None:
             expected &= queries - keys < window
         return torch.equal(visible, expected)
@@ -418,7 +424,7 @@ class ForwardBatch:
                 if len(split) > 1:
                     device = self.groups[0].slot_map.device
                     groups = [
-                        KeyGroup(torch.tensor(rows, device=device), self.length - max(lengths[r] for r in rows))
+                        KeyGroup(device_tensor(rows, device), self.length - max(lengths[r] for r in rows))
                         for rows in split
                     ]
             self._key_groups[cost] = groups
@@ -446,13 +452,13 @@ def _live_blocks(tables: list[BlockTable], device, dtype: torch.dtype = torch.lo
     block (always written, so reading it is safe; the mask hides those positions), and each table's skipped count."""
     num_cols = max(len(t.block_ids) for t in tables)
     skipped = [t.num_skipped for t in tables]
-    blocks = torch.tensor(
+    blocks = device_tensor(
         [
             [t.block_ids[first]] * first + t.block_ids[first:] + [t.block_ids[first]] * (num_cols - len(t.block_ids))
             for t, first in zip(tables, skipped)
         ],
-        dtype=dtype,
-        device=device,
+        device,
+        dtype,
     )
     return blocks, skipped
 
@@ -475,19 +481,19 @@ def address_tables(
     entry is False share the blocks of another row that writes the same tokens (duplicate prompts), so their new
     tokens are not written again."""
     blocks, skipped = _live_blocks(rows, device)
-    pads = torch.tensor(leading_pads, dtype=torch.long, device=device)
+    pads = device_tensor(leading_pads, device, torch.long)
     logical = torch.arange(length, device=device)[None, :] - pads[:, None]
-    first_live = torch.tensor(skipped, dtype=torch.long, device=device)[:, None] * block_size
+    first_live = device_tensor(skipped, device, torch.long)[:, None] * block_size
     position = torch.maximum(logical, first_live)  # pad and skipped positions read the row's first live slot
     slot_map = blocks.gather(1, position // block_size) * block_size + position % block_size
     write_slots = slot_map[:, length - num_new :].reshape(-1)
     stores = [num_new] * len(rows) if stores is None else stores
     if writers is None and all(count == num_new for count in stores):
         return Addressing(slot_map, write_slots, None)
-    first_stored = torch.tensor([t.num_tokens - count for t, count in zip(rows, stores)], device=device)
+    first_stored = device_tensor([t.num_tokens - count for t, count in zip(rows, stores)], device)
     stored = logical[:, length - num_new :] >= first_stored[:, None]
     if writers is not None:
-        stored &= torch.tensor(writers, device=device)[:, None]
+        stored &= device_tensor(writers, device)[:, None]
     stored = stored.reshape(-1)
     return Addressing(slot_map, write_slots[stored], stored.nonzero().squeeze(1))
 
@@ -503,7 +509,7 @@ def extend_addressing(previous: Addressing, rows: list[BlockTable], block_size: 
         ]
         for t in rows
     ]
-    new_slots = torch.tensor(new, dtype=torch.long, device=previous.slot_map.device)
+    new_slots = device_tensor(new, previous.slot_map.device, torch.long)
     slot_map = torch.cat([previous.slot_map, new_slots], dim=1)
     return Addressing(slot_map, new_slots.reshape(-1), None)
 
@@ -516,11 +522,11 @@ def address_packed(tables: list[BlockTable], counts: list[int], block_size: int,
     blocks, skipped = _live_blocks(tables, device)
     length = max(t.num_tokens for t in tables)
     logical = torch.arange(length, device=device)[None, :]
-    lengths = torch.tensor([t.num_tokens for t in tables], device=device)
-    first_live = torch.tensor(skipped, dtype=torch.long, device=device)[:, None] * block_size
+    lengths = device_tensor([t.num_tokens for t in tables], device)
+    first_live = device_tensor(skipped, device, torch.long)[:, None] * block_size
     position = torch.where(logical < lengths[:, None], torch.maximum(logical, first_live), first_live)
     slot_map = blocks.gather(1, position // block_size) * block_size + position % block_size
-    count_column = torch.tensor(counts, device=device)
+    count_column = device_tensor(counts, device)
     rows = torch.repeat_interleave(torch.arange(len(tables), device=device), count_column)
     ends = torch.repeat_interleave(lengths, count_column)  # every new token's row length ...
     back = torch.repeat_interleave(torch.cumsum(count_column, 0), count_column) - torch.arange(

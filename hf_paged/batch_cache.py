@@ -73,9 +73,9 @@ class BatchCache(Cache, ForwardBoundCache):
         self._batch: ForwardBatch | None = None
         self._layers_per_forward = 0  # most layers seen writing in one forward
         self.eager_math = False
-        self.kernel: KernelChoice = resolve_kernel(kernel, _model_device(model))
+        self.kernel: KernelChoice = resolve_kernel(kernel, _model_device(model), self.pool.block_size)
         self.attention_calls: dict[str, int] = {}
-        self._query_starts: dict[tuple[int, int], torch.Tensor] = {}
+        self._query_starts: dict[tuple, torch.Tensor] = {}
         attach_to_model(model)
 
     # ------------------------------------------------------------------ views
@@ -283,11 +283,12 @@ class BatchCache(Cache, ForwardBoundCache):
         """The K and V blocks of `layer_idx` as they lie, `[num_blocks, block_size, num_kv_heads, head_dim]`."""
         return self.pool.storage.layer_tensors(layer_idx)
 
-    def query_starts(self, rows: int, num_new: int) -> torch.Tensor:
-        """int32 `[rows + 1]` query starts of `rows` rows of `num_new` queries each (cached)."""
-        key = (rows, num_new)
+    def query_starts(self, rows: int, num_new: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """int32 `[rows + 1]` query starts of `rows` rows of `num_new` queries each, on `device` (cached: built once,
+        not per layer)."""
+        key = (rows, num_new, torch.device(device))
         if key not in self._query_starts:
-            self._query_starts[key] = torch.arange(0, (rows + 1) * num_new, num_new, dtype=torch.int32)
+            self._query_starts[key] = torch.arange(0, (rows + 1) * num_new, num_new, dtype=torch.int32, device=key[2])
         return self._query_starts[key]
 
     def count_attention(self, backend: str) -> None:

@@ -76,8 +76,9 @@ class PagedCacheConfig:
             prefill of a cached prompt prefix (default True).
         kernel (`str`, *optional*): the paged-attention backend of the `"hf_paged"` attention: `"auto"` (default:
             read the blocks in place where this device has a kernel, choosing per shape), `"gather"` (copy each
-            row's K/V out of the blocks, then SDPA: the reference) or `"cpu"` (always the in-place CPU kernel where
-            it can run). See `hf_paged.kernels`.
+            row's K/V out of the blocks, then SDPA: the reference), `"cpu"` (always the in-place CPU kernel where
+            it can run), `"triton"` (the Triton kernel, CUDA; needs `triton`) or `"flash"` (flash-attn 2, CUDA,
+            blocks of a multiple of 256; needs `flash-attn`). See `hf_paged.kernels` and docs/gpu.md.
 
     Example:
 

@@ -7,8 +7,13 @@ import os
 import pytest
 import torch
 
-import hf_paged
-from hf_paged.reference_models import load_smollm2, tiny_model
+# Without a CUDA device, Triton kernels run in Triton's interpreter on CPU tensors (tests/test_triton.py). The
+# interpreter must be chosen before triton is first imported in the process, so it is chosen here.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import hf_paged  # noqa: E402
+from hf_paged.reference_models import load_smollm2, tiny_model  # noqa: E402
 
 # HF_PAGED_LONG_TESTS=1: the long profile of the randomized tests (more state-machine steps, more fuzz cases)
 LONG_TESTS = os.environ.get("HF_PAGED_LONG_TESTS") == "1"
@@ -16,6 +21,16 @@ LONG_TESTS = os.environ.get("HF_PAGED_LONG_TESTS") == "1"
 # modules marked `pytestmark = pytest.mark.kernel_matrix` run every test once per paged-attention kernel: the default
 # ("auto": in place where this machine has a kernel) and the gather reference
 KERNEL_MATRIX = ("auto", "gather")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` skip cleanly where there is no CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
 
 
 def pytest_generate_tests(metafunc):

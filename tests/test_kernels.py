@@ -193,7 +193,9 @@ def test_resolve_kernel():
     assert auto.backend == "cpu" and auto.takes(1) and not auto.takes(kernels.AUTO_CPU_MAX_QUERIES + 1)
     assert kernels.resolve_kernel("cpu", "cpu").takes(10_000)
     assert kernels.resolve_kernel("auto", "meta").backend == "gather"
-    with pytest.raises(ValueError, match=r"kernel must be one of \['auto', 'gather', 'cpu'\], got 'fast'"):
+    with pytest.raises(
+        ValueError, match=r"kernel must be one of \['auto', 'gather', 'cpu', 'triton', 'flash'\], got 'fast'"
+    ):
         kernels.resolve_kernel("fast", "cpu")
 
 

@@ -18,6 +18,7 @@ from ..config import ATTENTION_NAME, PagedCacheConfig
 from ..forward import EAGER, attention_implementation, own_attention, paged_attention_for
 from ..planner import ForwardPlanner
 from ..support import check_cache_kept, prompt_learning_method
+from ..transfer import device_tensor
 from .params import SamplingParams
 from .request import Request, RequestOutput, RequestStatus
 from .routing import OutputRouter
@@ -344,8 +345,8 @@ class Engine:
             positions += range(end - count, end)
         device = self.device
         return {
-            "input_ids": torch.tensor([ids], dtype=torch.long, device=device),
-            "position_ids": torch.tensor([positions], dtype=torch.long, device=device),
+            "input_ids": device_tensor([ids], device, torch.long),
+            "position_ids": device_tensor([positions], device, torch.long),
         }
 
     def _forward_inputs(self, step: Step) -> dict[str, torch.Tensor]:
@@ -357,10 +358,8 @@ class Engine:
         ends = [r.row.num_tokens for r in step.requests]  # the step's blocks are taken: its tokens are in the rows
         windows = [r.token_ids[max(end - width, 0) : end] for r, end in zip(step.requests, ends)]
         device = self.device
-        input_ids = torch.tensor(
-            [[self.pad_token_id] * (width - len(w)) + w for w in windows], dtype=torch.long, device=device
-        )
-        pads_column = torch.tensor(pads, device=device)[:, None]
+        input_ids = device_tensor([[self.pad_token_id] * (width - len(w)) + w for w in windows], device, torch.long)
+        pads_column = device_tensor(pads, device)[:, None]
         attention_mask = (torch.arange(length, device=device)[None, :] >= pads_column).long()
         position_ids = (torch.arange(past_length, length, device=device)[None, :] - pads_column).clamp(min=0)
         return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}

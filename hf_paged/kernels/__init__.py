@@ -7,10 +7,17 @@ steps. Backends:
 
 - `"gather"`: the reference; copies each row's K/V out of the blocks, then attends with torch ops. Runs anywhere.
 - `"cpu"`: reads the blocks in place, multi-threaded (C++ built at first use, see `kernels.build`); fp32, bf16, fp16.
+- `"triton"`: reads the blocks in place on CUDA devices (`kernels.triton`; any block size); needs `triton`
+  (`pip install 'hf_paged[triton]'`). On the CPU it runs only under Triton's interpreter (`TRITON_INTERPRET=1`),
+  which is how the tests prove it without a GPU.
+- `"flash"`: flash-attn 2's paged kernels on CUDA (`kernels.flash`); needs `flash-attn` (`pip install
+  'hf_paged[flash]'`), fp16/bf16 and blocks of a multiple of 256 tokens; the calls it cannot take go to the
+  Triton kernel where it runs, else gather.
 
-`resolve_kernel(name, device)` turns a `cache_config={"kernel": ...}` choice into a `KernelChoice`: `"auto"` picks
-the fastest backend available for the device and, per call, for the shape (on the CPU, rows of at most
-`AUTO_CPU_MAX_QUERIES` queries read in place; longer prompt chunks gather, where SDPA's blocked matmuls win).
+`resolve_kernel(name, device, block_size)` turns a `cache_config={"kernel": ...}` choice into a `KernelChoice`:
+`"auto"` picks the fastest backend available for the device and block size and, per call, for the shape (on the
+CPU, rows of at most `AUTO_CPU_MAX_QUERIES` queries read in place; longer prompt chunks gather, where SDPA's blocked
+matmuls win; on CUDA flash-attn where it takes the block size, else the Triton kernel, else gather).
 
 Example:
 
@@ -34,6 +41,7 @@ torch.Size([3, 4, 8])
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import warnings
@@ -41,11 +49,12 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cpu
+from . import cpu, flash
+from . import triton as triton_backend
 from .build import KernelBuildError
 from .reference import gather_paged_attention
 
-KERNELS = ("auto", "gather", "cpu")
+KERNELS = ("auto", "gather", "cpu", "triton", "flash")
 AUTO_CPU_MAX_QUERIES = 8  # measured: benchmarks/paged_kernel.py (docs/benchmarks.md)
 DEFAULT_KERNEL = os.environ.get("HF_PAGED_KERNEL", "auto")
 
@@ -54,13 +63,20 @@ __all__ = [
     "DEFAULT_KERNEL",
     "KERNELS",
     "KernelChoice",
+    "KernelUnavailableError",
     "in_place_backend",
     "paged_attention",
     "resolve_kernel",
 ]
 
+logger = logging.getLogger(__name__)
 _warned: set[str] = set()
 _warn_lock = threading.Lock()
+
+
+class KernelUnavailableError(ImportError):
+    """A backend asked for by name (`kernel="triton"`, `kernel="flash"`) whose package is not installed; the message
+    names the extra that installs it."""
 
 
 @dataclass(frozen=True)
@@ -68,14 +84,26 @@ class KernelChoice:
     """Which backend a paged cache's attention calls, and for which shapes.
 
     Attributes:
-        requested (`str`): what was asked for (`"auto"`, `"gather"`, `"cpu"`).
+        requested (`str`): what was asked for (one of `KERNELS`).
         backend (`str`): the backend that runs (`"gather"` where the requested one cannot run here).
         max_queries (`int`, *optional*): rows with more new tokens than this gather instead (`None`: no limit).
+        fallback (`str`, *optional*): the in-place backend of the calls `backend` cannot take (flash-attn: fp32
+            tensors, attention sinks); `None`: those calls gather.
+
+    Example:
+
+    ```python
+    >>> choice = KernelChoice("auto", "cpu", max_queries=8)
+    >>> choice.in_place, choice.takes(1), choice.takes(9)
+    (True, True, False)
+
+    ```
     """
 
     requested: str
     backend: str
     max_queries: int | None = None
+    fallback: str | None = None
 
     @property
     def in_place(self) -> bool:
@@ -86,8 +114,18 @@ class KernelChoice:
         """Whether a row with `num_queries` new tokens goes to the in-place backend."""
         return self.in_place and (self.max_queries is None or num_queries <= self.max_queries)
 
+    def backend_for(self, query: torch.Tensor, key_cache: torch.Tensor) -> str | None:
+        """The in-place backend that runs a call on these tensors: `backend`, else `fallback`, where it `supports`
+        them; `None`: the call gathers."""
+        for name in (self.backend, self.fallback):
+            if name is not None and name != "gather" and in_place_backend(name).supports(query, key_cache):
+                return name
+        return None
 
-_IN_PLACE_BACKENDS = {"cpu": cpu}  # name -> module with supports(query, key_cache) and attention(...)
+
+# name -> module with supports(query, key_cache) and attention(...)
+_IN_PLACE_BACKENDS = {"cpu": cpu, "triton": triton_backend, "flash": flash}
+_PACKAGES = {"triton": triton_backend, "flash": flash}  # backends needing a package, with `available()`
 
 
 def in_place_backend(name: str):
@@ -110,22 +148,46 @@ def _warn_once(key: str, message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def resolve_kernel(name: str | None, device: torch.device | str) -> KernelChoice:
-    """The `KernelChoice` of `cache_config={"kernel": name}` on `device` (`None`: `DEFAULT_KERNEL`). A backend that
-    cannot run here (not built: no compiler; another device) falls back to `"gather"` with one warning per process.
+def _log_once(key: str, message: str) -> None:
+    with _warn_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    logger.warning(message)
+
+
+def resolve_kernel(name: str | None, device: torch.device | str, block_size: int | None = None) -> KernelChoice:
+    """The `KernelChoice` of `cache_config={"kernel": name}` on `device` with blocks of `block_size` tokens (`None`:
+    `DEFAULT_KERNEL`; `block_size=None`: any). A backend that cannot run here (not built: no compiler; another
+    device) falls back to `"gather"` with one warning per process; flash-attn with a block size it cannot read
+    falls back to the Triton kernel (else gather) with one log line.
 
     Raises:
         ValueError: `name` is not one of `KERNELS`.
+        KernelUnavailableError: `"triton"` or `"flash"` asked for by name without its package installed.
     """
     name = check_kernel_name(DEFAULT_KERNEL if name is None else name)
     device = torch.device(device)
     if name == "gather":
         return KernelChoice(name, "gather")
-    if device.type != "cpu":
-        if name == "cpu":
+    if name in _PACKAGES and not _PACKAGES[name].available():
+        package = "triton" if name == "triton" else "flash-attn"
+        raise KernelUnavailableError(
+            f"cache_config kernel={name!r} needs the {package} package, which is not installed: "
+            f"{_PACKAGES[name].INSTALL_HINT}"
+        )
+    if device.type == "cuda":
+        return _resolve_cuda(name, block_size)
+    if name in ("triton", "flash") or device.type != "cpu":
+        if name == "triton" and triton_backend.runs_on(device):
+            return KernelChoice(name, "triton")
+        if name != "auto":
+            where = {"cpu": "the CPU", "triton": "CUDA devices (or the CPU under TRITON_INTERPRET=1)"}.get(
+                name, "CUDA devices"
+            )
             _warn_once(
-                f"device:{device.type}",
-                f"hf_paged: kernel='cpu' reads blocks in CPU memory, but the pool is on {device}; attention gathers "
+                f"device:{device.type}:{name}",
+                f"hf_paged: kernel={name!r} runs on {where}, but the pool is on {device}; attention gathers "
                 "K/V instead (kernel='gather')",
             )
         return KernelChoice(name, "gather")
@@ -140,6 +202,33 @@ def resolve_kernel(name: str | None, device: torch.device | str) -> KernelChoice
         )
         return KernelChoice(name, "gather")
     return KernelChoice(name, "cpu", AUTO_CPU_MAX_QUERIES if name == "auto" else None)
+
+
+def _resolve_cuda(name: str, block_size: int | None) -> KernelChoice:
+    """`resolve_kernel` on a CUDA device: flash-attn where installed and the block size allows it, then the Triton
+    kernel where installed, then gather."""
+    if name == "cpu":
+        _warn_once(
+            "device:cuda",
+            "hf_paged: kernel='cpu' reads blocks in CPU memory, but the pool is on a CUDA device; attention gathers "
+            "K/V instead (kernel='gather')",
+        )
+        return KernelChoice(name, "gather")
+    triton_ready = triton_backend.available()
+    if name in ("auto", "flash") and flash.available():
+        if block_size is None or flash.accepts_block_size(block_size):
+            return KernelChoice(name, "flash", fallback="triton" if triton_ready else None)
+        next_backend = "triton" if triton_ready else "gather"
+        _log_once(
+            f"flash-block:{block_size}",
+            f"hf_paged: flash-attn 2 reads paged K/V in blocks of a multiple of {flash.BLOCK_MULTIPLE} tokens, "
+            f"not {block_size}; attention uses kernel={next_backend!r} (cache_config block_size="
+            f"{flash.BLOCK_MULTIPLE} runs flash-attn)",
+        )
+        return KernelChoice(name, next_backend)
+    if name in ("auto", "triton") and triton_ready:
+        return KernelChoice(name, "triton")
+    return KernelChoice(name, "gather")
 
 
 def paged_attention(
@@ -171,15 +260,15 @@ def paged_attention(
         window (`int`, *optional*): sliding window: a query at position `p` sees keys `k` with `p - k < window`.
         softcap (`float`, *optional*): logits become `softcap * tanh(logits / softcap)`.
         sinks (`torch.Tensor`, *optional*): `[q_heads]` logits that take softmax mass and carry no value.
-        kernel (`str`): `"auto"` (in place where the device has a backend), `"gather"`, `"cpu"`.
+        kernel (`str`): `"auto"` (in place where the device has a backend), `"gather"`, `"cpu"`, `"triton"`,
+            `"flash"`.
 
     Returns:
         `torch.Tensor`: `[tokens, q_heads, head_dim]` in the query's dtype.
     """
-    choice = resolve_kernel(kernel, query.device)
+    choice = resolve_kernel(kernel, query.device, key_cache.shape[1])
     args = (query, key_cache, value_cache, block_tables, seq_lens, query_start, scale, window, softcap, sinks)
-    if choice.in_place:
-        backend = in_place_backend(choice.backend)
-        if backend.supports(query, key_cache):
-            return backend.attention(*args)
+    backend = choice.backend_for(query, key_cache)
+    if backend is not None:
+        return in_place_backend(backend).attention(*args)
     return gather_paged_attention(*args)

@@ -1,0 +1,143 @@
+"""The Triton backend: one paged-attention kernel for decode steps, prefill chunks and mixed packed steps.
+
+A program attends one tile of `BLOCK_Q` consecutive queries of one row for all query heads of one KV head
+(`BLOCK_M = BLOCK_Q * group` query rows in one `tl.dot`). It finds its row by a binary search over the query starts
+(as vLLM's unified Triton attention does: the grid is `tokens // BLOCK_Q + rows` tiles, an upper bound of every
+row's tiles, so the launch needs no host synchronisation), reads K/V through the row's int32 block table a tile of
+`TILE_N` keys at a time (each key addressed on its own, so any block size works), skips the tiles wholly in the
+future or outside the sliding window (a tile's keys before its first query's window are never loaded, so blocks a
+window skipped are never read), and keeps an online softmax in fp32 (soft-cap and sinks included). fp32 storage
+multiplies in fp32 (`input_precision="ieee"`, no TF32); fp16/bf16 storage uses the tensor cores' fp16/bf16 products
+with fp32 accumulation.
+
+It runs on CUDA devices, and on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1` set before triton is
+imported), which is how the tests prove it on machines without a GPU. The interpreter's fp16/bf16 `tl.dot` is
+wrong (numpy has no bf16), so there the products of half-precision storage are taken in fp32: the half-precision
+tensor-core path itself is proven only on a device. `triton` is imported only when a call runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+TILE_N = 16  # keys per inner step
+INSTALL_HINT = "pip install 'hf_paged[triton]'"
+
+
+@functools.cache
+def available() -> bool:
+    """Whether `triton` can be imported here."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (`TRITON_INTERPRET=1`): on CPU tensors, for tests."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def runs_on(device: torch.device | str) -> bool:
+    """Whether the kernel can run on tensors of `device`: CUDA, or the CPU under the interpreter."""
+    device = torch.device(device)
+    return device.type == "cuda" or (device.type == "cpu" and interpreted())
+
+
+def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether this backend can run a call on these tensors."""
+    return (
+        available()
+        and runs_on(query.device)
+        and key_cache.device == query.device
+        and query.dtype == key_cache.dtype
+        and query.dtype in DTYPES
+    )
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`kernels.paged_attention` in Triton, reading the blocks where they lie (no host synchronisation)."""
+    import triton
+
+    kernel = _kernel()
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    group = num_q_heads // num_kv_heads
+    num_rows = seq_lens.numel()
+    if out is None:
+        out = torch.empty_like(query)
+    device = query.device
+    block_tables = block_tables.to(device=device, dtype=torch.int32)
+    seq_lens = seq_lens.to(device=device, dtype=torch.int32)
+    query_start = query_start.to(device=device, dtype=torch.int32)
+    if sinks is not None:
+        sinks = sinks.detach().to(device=device, dtype=torch.float32).contiguous()
+    block_m = max(16, _next_power_of_2(group))
+    block_q = block_m // group
+    grid = (num_tokens // block_q + num_rows, num_kv_heads)
+    kernel[grid](
+        query,
+        key_cache,
+        value_cache,
+        out,
+        block_tables,
+        seq_lens,
+        query_start,
+        query if sinks is None else sinks,  # an unused pointer when there are no sinks
+        num_rows,
+        float(scale),
+        0 if window is None else int(window),
+        0.0 if softcap is None else float(softcap),
+        *query.stride(),
+        *out.stride(),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        block_tables.stride(0),
+        BLOCK_SIZE=key_cache.shape[1],
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        TILE_N=TILE_N,
+        USE_WINDOW=window is not None,
+        USE_SOFTCAP=softcap is not None,
+        USE_SINKS=sinks is not None,
+        DOT_FP32=query.dtype == torch.float32 or interpreted(),  # the interpreter's fp16/bf16 dots are wrong
+    )
+    return out
+
+
+@functools.cache
+def _kernel():
+    """The jitted kernel (`triton_kernel`, imported on first use: importing this module never imports triton, and
+    `TRITON_INTERPRET` is read when the kernel is defined)."""
+    from .triton_kernel import paged_attention_kernel
+
+    return paged_attention_kernel
+
+
+triton_paged_attention = attention

@@ -1,0 +1,164 @@
+"""The Triton kernel of `kernels.triton` (imports triton: imported only when a call runs; see that module)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tanh(x):
+    t = tl.exp(-2.0 * tl.abs(x))
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
+
+
+@triton.jit
+def paged_attention_kernel(
+    query_ptr,
+    key_ptr,
+    value_ptr,
+    out_ptr,
+    tables_ptr,
+    seq_lens_ptr,
+    query_start_ptr,
+    sinks_ptr,
+    num_rows,
+    scale,
+    window,
+    softcap,
+    q_stride_token,
+    q_stride_head,
+    q_stride_dim,
+    o_stride_token,
+    o_stride_head,
+    o_stride_dim,
+    k_stride_block,
+    k_stride_slot,
+    k_stride_head,
+    k_stride_dim,
+    v_stride_block,
+    v_stride_slot,
+    v_stride_head,
+    v_stride_dim,
+    table_stride,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_SINKS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    # the row whose query tiles hold `tile`: row r's tiles start at query_start[r] // BLOCK_Q + r
+    low = 0
+    high = num_rows
+    while low < high:
+        mid = (low + high) // 2
+        first_tile = tl.load(query_start_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile:
+            low = mid + 1
+        else:
+            high = mid
+    row = low - 1
+    row_start = tl.load(query_start_ptr + row)
+    num_queries = tl.load(query_start_ptr + row + 1) - row_start
+    local_tile = tile - (row_start // BLOCK_Q + row)
+    if local_tile * BLOCK_Q >= num_queries:
+        return
+    seq_len = tl.load(seq_lens_ptr + row)
+    context = seq_len - num_queries
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PADDED)
+    query_index = local_tile * BLOCK_Q + offs_m // GROUP  # the row's query of each tile row
+    head = kv_head * GROUP + offs_m % GROUP
+    query_valid = (offs_m // GROUP < BLOCK_Q) & (query_index < num_queries)
+    dim_valid = offs_d < HEAD_DIM
+    position = context + query_index  # of each query in its row
+    q = tl.load(
+        query_ptr
+        + (row_start + query_index)[:, None] * q_stride_token
+        + head[:, None] * q_stride_head
+        + offs_d[None, :] * q_stride_dim,
+        mask=query_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    if USE_SINKS:
+        m_i = tl.load(sinks_ptr + head, mask=query_valid, other=float("-inf")).to(tl.float32)
+        l_i = tl.where(query_valid, 1.0, 0.0).to(tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
+
+    # keys this tile's queries can see: up to its last query's position, from its first query's window on
+    last_query = tl.minimum((local_tile + 1) * BLOCK_Q, num_queries) - 1
+    key_end = context + last_query + 1
+    key_begin = 0
+    if USE_WINDOW:
+        key_begin = tl.maximum(context + local_tile * BLOCK_Q - window + 1, 0)
+    offs_n = tl.arange(0, TILE_N)
+    table = tables_ptr + row * table_stride
+    for first_key in range((key_begin // TILE_N) * TILE_N, key_end, TILE_N):
+        key_position = first_key + offs_n
+        key_valid = (key_position >= key_begin) & (key_position < key_end)  # never a skipped block
+        block = tl.load(table + key_position // BLOCK_SIZE, mask=key_valid, other=0)
+        slot = key_position % BLOCK_SIZE
+        k = tl.load(
+            key_ptr
+            + block[None, :] * k_stride_block
+            + slot[None, :] * k_stride_slot
+            + kv_head * k_stride_head
+            + offs_d[:, None] * k_stride_dim,
+            mask=key_valid[None, :] & dim_valid[:, None],
+            other=0.0,
+        )  # [HEAD_DIM_PADDED, TILE_N]
+        if DOT_FP32:
+            s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = s * scale
+        if USE_SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        visible = query_valid[:, None] & key_valid[None, :] & (key_position[None, :] <= position[:, None])
+        if USE_WINDOW:
+            visible = visible & (position[:, None] - key_position[None, :] < window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a tile row with nothing visible yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        v = tl.load(
+            value_ptr
+            + block[:, None] * v_stride_block
+            + slot[:, None] * v_stride_slot
+            + kv_head * v_stride_head
+            + offs_d[None, :] * v_stride_dim,
+            mask=key_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )  # [TILE_N, HEAD_DIM_PADDED]
+        if DOT_FP32:
+            acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr
+        + (row_start + query_index)[:, None] * o_stride_token
+        + head[:, None] * o_stride_head
+        + offs_d[None, :] * o_stride_dim,
+        out.to(out_ptr.dtype.element_ty),
+        mask=query_valid[:, None] & dim_valid[None, :],
+    )
