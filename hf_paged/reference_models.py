@@ -237,3 +237,39 @@ def load_smollm2(dtype: torch.dtype = torch.float32, cache_dir: str | os.PathLik
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     return model, tokenizer
+
+
+def random_lora(
+    model: torch.nn.Module,
+    seed: int = 0,
+    rank: int = 4,
+    target_modules=("q_proj", "v_proj"),
+    **config_options,
+) -> tuple:
+    """A randomly initialised PEFT LoRA adapter for `model` (both factors random, so it changes the output):
+    `(LoraConfig, state dict)`, as `Engine.load_adapter` takes it and as PEFT's `save_pretrained` would save it.
+    `model` is left unchanged (the adapter is made on a copy).
+
+    Example:
+
+    ```python
+    >>> config, state = random_lora(tiny_model("llama"), seed=1, rank=2)
+    >>> config.r, sorted(state)[0]
+    (2, 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight')
+
+    ```
+    """
+    import copy
+
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=config_options.pop("lora_alpha", 2 * rank),
+        target_modules=list(target_modules),
+        init_lora_weights=False,
+        **config_options,
+    )
+    torch.manual_seed(seed)
+    tuned = get_peft_model(copy.deepcopy(model), config)
+    return config, {key: value.detach().clone() for key, value in get_peft_model_state_dict(tuned).items()}
