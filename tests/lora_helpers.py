@@ -51,3 +51,14 @@ class PeftReference:
             self.model.set_adapter(adapter)
             out = self.model.generate(input_ids=ids, **options)
         return out[0, len(prompt) :].tolist()
+
+
+def save_lora(adapter: tuple, folder) -> str:
+    """Write `(LoraConfig, state dict)` as PEFT's `save_pretrained` does (`adapter_config.json`,
+    `adapter_model.safetensors`); returns the folder."""
+    from safetensors.torch import save_file
+
+    config, state = adapter
+    config.save_pretrained(folder)
+    save_file({key: value.contiguous() for key, value in state.items()}, f"{folder}/adapter_model.safetensors")
+    return str(folder)

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from ..errors import UnknownAdapterError
 from .lora import LoraAdapter
 
 
@@ -95,10 +96,11 @@ class AdapterSet:
         return len(self._by_name)
 
     def get(self, name: str) -> LoraAdapter:
-        """The adapter requests call `name`; `ValueError` naming the loaded ones when there is none."""
+        """The adapter requests call `name`; `UnknownAdapterError` (a `ValueError`) naming the loaded ones when there
+        is none."""
         adapter = self._by_name.get(name)
         if adapter is None:
-            raise ValueError(f"unknown adapter {name!r}; loaded adapters: {sorted(self._by_name) or 'none'}")
+            raise UnknownAdapterError(name, list(self._by_name))
         return adapter
 
     def slot_of(self, adapter: LoraAdapter) -> int:
@@ -106,10 +108,16 @@ class AdapterSet:
 
     # ------------------------------------------------------------------ load and unload
     def load(self, name: str, source) -> LoraAdapter:
-        """Read adapter `name` from `source` (see `LoraAdapter.load`), check the limits and make it resident."""
+        """Read adapter `name` from `source` (see `LoraAdapter.load`; or a `LoraAdapter` read already, e.g. off the
+        thread that steps the engine), check the limits and make it resident."""
         if name in self._by_name:
             raise ValueError(f"an adapter named {name!r} is loaded already; unload it first")
-        adapter = LoraAdapter.load(name, source, self.model)
+        if isinstance(source, LoraAdapter):
+            if source.name != name:
+                raise ValueError(f"the adapter given for {name!r} was read as {source.name!r}")
+            adapter = source
+        else:
+            adapter = LoraAdapter.load(name, source, self.model)
         if adapter.rank > self.max_rank:
             module = next(m.path for m in adapter.modules if m.rank == adapter.rank)
             raise ValueError(f"adapter {name!r} has rank {adapter.rank} ({module}), above max_rank={self.max_rank}")

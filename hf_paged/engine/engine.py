@@ -146,11 +146,11 @@ class Engine:
     # ------------------------------------------------------------------ adapters
     def load_adapter(self, name: str, source) -> LoraAdapter:
         """Make LoRA adapter `name` resident, read from `source`: a directory saved by PEFT's `save_pretrained`,
-        or a `(LoraConfig or its dict, state dict)` pair. Requests then run on it with `adapter=name`, in the same
-        steps as the base model's and other adapters' requests. Refused (`ValueError`, nothing loaded) when the name
-        is taken, its rank is above `max_rank`, `max_adapters` are resident, or it does not fit the base model;
-        other adapter types and LoRA variants (DoRA, biases, `modules_to_save`, embedding targets) raise
-        `NotImplementedError` naming them."""
+        a `(LoraConfig or its dict, state dict)` pair, or a `LoraAdapter` read already. Requests then run on it
+        with `adapter=name`, in the same steps as the base model's and other adapters' requests. Refused
+        (`ValueError`, nothing loaded) when the name is taken, its rank is above `max_rank`, `max_adapters` are
+        resident, or it does not fit the base model; other adapter types and LoRA variants (DoRA, biases,
+        `modules_to_save`, embedding targets) raise `NotImplementedError` naming them."""
         if _has_adapter_layers(self.model):
             raise ValueError(
                 "per-request LoRA adapters need the plain base model; this model holds PEFT adapter layers "
@@ -163,7 +163,8 @@ class Engine:
     def unload_adapter(self, name: str) -> None:
         """Take adapter `name` out of service: new requests can no longer name it (and a new adapter may take the
         name), while requests already added on it run to their end on its weights, which stay resident (and count
-        towards `max_adapters`) until the last of them finishes. `ValueError` for an unknown name."""
+        towards `max_adapters`) until the last of them finishes. `UnknownAdapterError` (a `ValueError`) for an
+        unknown name."""
         with self._lock:
             self.adapters.unload(name)
             self._release_unused_adapters()
