@@ -68,9 +68,12 @@ def run_interleaved(engine: Engine, requests: list, arrive_every: int = 3, **opt
     return [finals[i] for i in ids], steps
 
 
-def test_mixed_adapters_in_the_same_steps_match_peft_alone(base, adapters, reference):
+@pytest.mark.parametrize("num_blocks", [256, 24], ids=["roomy-pool", "pool-too-small"])
+def test_mixed_adapters_in_the_same_steps_match_peft_alone(base, adapters, reference, num_blocks):
     requests = workload(32, base.config.vocab_size)
-    engine = Engine(base, block_size=4, num_blocks=256, max_batch_size=8, max_num_batched_tokens=16, adapters=adapters)
+    engine = Engine(
+        base, block_size=4, num_blocks=num_blocks, max_batch_size=8, max_num_batched_tokens=16, adapters=adapters
+    )
     outputs, steps = run_interleaved(engine, requests)
     for output, (prompt, adapter, count) in zip(outputs, requests):
         assert output.adapter == adapter
@@ -80,6 +83,7 @@ def test_mixed_adapters_in_the_same_steps_match_peft_alone(base, adapters, refer
     assert any(len(names) == 4 for kind, names in steps if kind == "mixed")  # 3 adapters + base in one step
     assert engine.adapter_counts["all"]["requests"] == 8
     assert engine.pool.stats().num_used == 0
+    assert (engine.stats().preemptions > 0) == (num_blocks == 24)  # recomputed on their own adapter's blocks
 
 
 def test_seeded_sampling_matches_peft_alone(base, adapters, reference):
@@ -243,12 +247,23 @@ def test_bad_adapters_are_refused_naming_the_value_and_the_limit(base, adapters,
         Engine(wrapped, block_size=4, num_blocks=64, adapters={"qv": adapters["qv"]})
 
 
-def test_the_base_model_outside_the_engine_is_unchanged(base, adapters):
+def test_the_base_model_outside_the_engine_is_unchanged(adapters):
+    base = tiny_model("llama")
     ids = torch.tensor([[3, 4, 5, 6]])
     before = base(ids).logits.detach()
     engine = Engine(base, block_size=4, num_blocks=64, adapters=adapters)
     engine.generate([[3, 4, 5]], max_new_tokens=3, adapter="all")
     assert torch.equal(base(ids).logits.detach(), before)  # the hooks add nothing outside the engine's steps
+
+    def hooked():
+        return [m for m in base.modules() if isinstance(m, torch.nn.Linear) and m._forward_hooks]
+
+    assert len(hooked()) == 2 * 7  # every linear of the 2 layers ("all" targets them all)
+    del engine
+    import gc
+
+    gc.collect()
+    assert not hooked()  # a dropped engine leaves no hook behind
 
 
 def test_smollm2_three_adapters_and_the_base_match_peft_alone(smollm2):

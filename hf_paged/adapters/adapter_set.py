@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -72,6 +73,7 @@ class AdapterSet:
         self._select: torch.Tensor | None = None  # [1 + slots, slots x R]: row 0 is a base-model token's mask
         self._hooks: list = []
         self._local = threading.local()  # the running step's masks, in the thread running it
+        weakref.finalize(self, _remove_hooks, self._hooks)  # a dropped set leaves no hook (nor weights) on the model
 
     # ------------------------------------------------------------------ what is resident
     @property
@@ -161,9 +163,7 @@ class AdapterSet:
 
     def close(self) -> None:
         """Remove the hooks and every adapter."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
+        _remove_hooks(self._hooks)
         self._slots.clear()
         self._by_name.clear()
         self._stacks.clear()
@@ -191,9 +191,7 @@ class AdapterSet:
 
     def _restack(self) -> None:
         """Stack every slot's factors per target module and hook the target modules."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
+        _remove_hooks(self._hooks)
         self._stacks.clear()
         resident = [(index, adapter) for index, adapter in enumerate(self._slots) if adapter is not None]
         if not resident:
@@ -224,11 +222,14 @@ class AdapterSet:
             self._hooks.append(self.model.get_submodule(path).register_forward_hook(self._hook(path)))
 
     def _hook(self, path: str):
+        owner = weakref.ref(self)  # the model holds the hook: it must not keep the set alive
+
         def add_update(module, args, output):
-            masks = getattr(self._local, "masks", None)
+            adapters = owner()
+            masks = None if adapters is None else getattr(adapters._local, "masks", None)
             if masks is None:
                 return None
-            a, b = self._stacks[path]
+            a, b = adapters._stacks[path]
             x = args[0]
             count = x.numel() // x.shape[-1]
             mask = masks.get(count)
@@ -242,3 +243,9 @@ class AdapterSet:
             return output.reshape(count, -1).addmm(low, b.T).view_as(output)
 
         return add_update
+
+
+def _remove_hooks(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
