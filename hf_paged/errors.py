@@ -30,3 +30,17 @@ class PoolExhaustedError(RuntimeError):
 
 class InvariantError(AssertionError):
     """An allocator invariant does not hold; the message names the invariant and the offending block."""
+
+
+class UnknownAdapterError(ValueError):
+    """A request names a LoRA adapter the engine does not serve (never loaded, or unloaded).
+
+    Attributes:
+        name (`str`): the name asked for.
+        loaded (`list[str]`): the names served.
+    """
+
+    def __init__(self, name: str, loaded: list[str]):
+        self.name = name
+        self.loaded = loaded
+        super().__init__(f"unknown adapter {name!r}; loaded adapters: {sorted(loaded) or 'none'}")

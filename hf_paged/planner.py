@@ -51,6 +51,7 @@ class ForwardPlanner:
         if prefix_caching and root is not None:
             self.roots = group_roots(root, layout.num_groups)
         self._previous: ForwardBatch | None = None
+        self._namespace_roots: dict[tuple, list[bytes]] = {}
         shape = pool.kv_shape
         # what one more group of rows reading their keys together costs, in key positions (see key_groups)
         self.key_group_cost = group_cost(shape and shape.bytes_per_token // shape.num_layers)
@@ -70,6 +71,20 @@ class ForwardPlanner:
     @property
     def prefix_caching(self) -> bool:
         return self.roots is not None
+
+    def roots_for(self, namespace: bytes | None) -> list[bytes] | None:
+        """Every layer group's chain root for content computed under `namespace` on top of the model (a LoRA
+        adapter's name and weights digest): blocks of different namespaces never stand in for each other. `None`
+        gives the model's own `roots`; `None` is returned without prefix caching."""
+        if self.roots is None or namespace is None:
+            return self.roots
+        key = (self.root, namespace)
+        roots = self._namespace_roots.get(key)
+        if roots is None:
+            if len(self._namespace_roots) > 256:
+                self._namespace_roots.clear()
+            roots = self._namespace_roots[key] = group_roots(root_hash(self.root + namespace), self.layout.num_groups)
+        return roots
 
     def stop_prefix_caching(self) -> None:
         """No prefix lookups and no indexing from now on."""

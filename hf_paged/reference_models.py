@@ -237,3 +237,52 @@ def load_smollm2(dtype: torch.dtype = torch.float32, cache_dir: str | os.PathLik
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     return model, tokenizer
+
+
+def random_lora(
+    model: torch.nn.Module,
+    seed: int = 0,
+    rank: int = 4,
+    target_modules=("q_proj", "v_proj"),
+    **config_options,
+) -> tuple:
+    """A random PEFT LoRA adapter for `model`'s linear modules named `target_modules` (both factors random, drawn as
+    PEFT's `init_lora_weights=False` draws them, so it changes the output): `(LoraConfig, state dict)`, as
+    `Engine.load_adapter` takes it and as PEFT's `save_pretrained` saves it. `model` is left unchanged.
+
+    Example:
+
+    ```python
+    >>> config, state = random_lora(tiny_model("llama"), seed=1, rank=2)
+    >>> config.r, sorted(state)[0], tuple(state[sorted(state)[0]].shape)
+    (2, 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight', (2, 64))
+
+    ```
+    """
+    from peft import LoraConfig
+
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=config_options.pop("lora_alpha", 2 * rank),
+        target_modules=list(target_modules),
+        init_lora_weights=False,
+        **config_options,
+    )
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for path, module in model.named_modules():
+        if path.rsplit(".", 1)[-1] not in target_modules:
+            continue
+        if not isinstance(module, torch.nn.Linear):
+            raise ValueError(f"random_lora makes factors of linear modules only; {path} is a {type(module).__name__}")
+        weight = module.weight
+        for factor, shape, fan_in in (
+            ("A", (rank, module.in_features), module.in_features),
+            ("B", (module.out_features, rank), rank),
+        ):
+            bound = 1 / fan_in**0.5  # kaiming_uniform_(a=sqrt(5)), as nn.Linear and PEFT draw
+            values = (torch.rand(shape, generator=generator) * 2 - 1) * bound
+            state[f"base_model.model.{path}.lora_{factor}.weight"] = values.to(weight.dtype)
+    if not state:
+        raise ValueError(f"{type(model).__name__} has no module named {list(target_modules)}")
+    return config, state

@@ -22,6 +22,9 @@ class Row:
             forward got `inputs_embeds`) or when prefix caching is off.
         hashes (`list[list[bytes]]`): per group, chained hashes of the first full blocks, already in the prefix
             index.
+        roots (`list[bytes] | None`): per group, the chain roots the row was looked up under (`from_prefix_cache`),
+            which its blocks are indexed under too: a LoRA adapter's requests chain from roots of their own. `None`:
+            the roots the indexing call gives.
 
     Example:
 
@@ -43,6 +46,7 @@ class Row:
     leading_pads: int = 0
     tokens: list[int] | None = field(default_factory=list)
     hashes: list[list[bytes]] = field(default_factory=list)
+    roots: list[bytes] | None = None
 
     def __post_init__(self):
         if not self.hashes:
@@ -85,6 +89,7 @@ class Row:
             if count_reuse:
                 allocator.record_prefix_reuse(num_blocks * size)
             row = cls.empty(allocator, len(roots))
+            row.roots = list(roots)
             row.tokens = list(tokens[: num_blocks * size])
             for index, (table, group_found, window) in enumerate(zip(row.tables, found, windows)):
                 skipped = skipped_tokens(num_blocks * size, window) // size
@@ -114,7 +119,7 @@ class Row:
         """A row sharing every block of this one."""
         tokens = None if self.tokens is None else list(self.tokens)
         tables = [allocator.fork(table) for table in self.tables]
-        return Row(tables, self.leading_pads, tokens, [list(hashes) for hashes in self.hashes])
+        return Row(tables, self.leading_pads, tokens, [list(hashes) for hashes in self.hashes], self.roots)
 
     def free(self, allocator: BlockAllocator) -> None:
         """Return every block (a second call does nothing)."""
@@ -164,9 +169,11 @@ class Row:
         """Put every full block not yet indexed into the prefix index, group by group (`roots[group]` starts each
         group's chain). A block whose content is already cached in another block is replaced by that one (storage
         shared) when `share`; without `share` (mid-forward, when the tables must not change) indexing of that group
-        stops there and resumes on the next call. Returns whether a table changed."""
+        stops there and resumes on the next call. The row's own `roots`, when it has them, replace `roots`. Returns
+        whether a table changed."""
         if self.tokens is None:
             return False
+        roots = self.roots or roots
         size = allocator.block_size
         changed = False
         for table, hashes, root in zip(self.tables, self.hashes, roots):

@@ -139,3 +139,26 @@ def test_a_model_path_that_holds_no_model_is_a_usage_error(model_folder, tmp_pat
 def test_the_help_states_the_batched_tokens_rule():
     help_text = " ".join(build_parser()._actions[-1].choices["serve"].format_help().split())
     assert "at least --max-batch-size" in help_text
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--lora", "no-equals-sign"], "expected NAME=PATH, got 'no-equals-sign'"),
+        (["--lora", "=path"], "expected NAME=PATH, got '=path'"),
+        (["--lora", "a=/no/such/adapter"], "'/no/such/adapter' is no PEFT adapter directory"),
+        (["--lora", "a={adapter}", "--lora", "a={adapter}"], "the name 'a' is given twice"),
+        (["--lora", "m={adapter}"], "'m' is the base model's name"),
+        (["--lora", "a={adapter}", "--lora", "b={adapter}", "--max-loras", "1"], "2 adapters, above --max-loras 1"),
+        (["--lora", "a={adapter}", "--tp", "2"], "--lora cannot be combined with --tp"),
+    ],
+)
+def test_malformed_lora_options_are_usage_errors_before_the_model_loads(tmp_path, capsys, options, message):
+    from hf_paged.serve.cli import main
+
+    (tmp_path / "adapter_config.json").write_text("{}")
+    options = [option.format(adapter=tmp_path) for option in options]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "/no/such/model/m", *options])  # the model path is never read
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

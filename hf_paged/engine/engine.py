@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import operator
@@ -13,6 +14,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 from transformers import GenerationConfig
 
+from ..adapters import AdapterSet, LoraAdapter
 from ..batch_cache import BatchCache
 from ..config import ATTENTION_NAME, PagedCacheConfig
 from ..forward import EAGER, attention_implementation, own_attention, paged_attention_for
@@ -53,6 +55,11 @@ class Engine:
             the prompts arriving; at least `max_batch_size`. Raise it where a forward over many tokens costs little
             more than over few (a GPU); lower it for shorter stalls.
         progress (`bool`, *optional*): tqdm bar in `generate`; by default only when stderr is a terminal.
+        adapters (`dict`, *optional*): LoRA adapters to serve from this one base model, `{name: source}`, a
+            source being a directory saved by PEFT or a `(LoraConfig, state dict)` pair (see `load_adapter`);
+            a request picks one with `add_request(..., adapter=name)`.
+        max_adapters (`int`): most LoRA adapters resident at once.
+        max_rank (`int`): the largest LoRA rank accepted.
         **cache_config: pool options (`block_size`, `num_blocks`, `max_memory`, `prefix_caching`, ...), or
             `cache_config=` a dict or `PagedCacheConfig` of them, as `generate` takes it.
 
@@ -84,6 +91,9 @@ class Engine:
         max_prefill_tokens: int = 4096,
         max_num_batched_tokens: int = 512,
         progress: bool | None = None,
+        adapters: Mapping | None = None,
+        max_adapters: int = 8,
+        max_rank: int = 64,
         **cache_config,
     ):
         limits = {
@@ -105,6 +115,7 @@ class Engine:
                 f"the Engine cannot serve a PEFT {method} model: it adds learned virtual tokens (or K/V) to every "
                 "forward, which the Engine's steps do not hold (adapters that change weights, such as LoRA, are served)"
             )
+        self.adapters = AdapterSet(model, max_adapters, max_rank)
         self.model = model
         self.tokenizer = tokenizer
         self.progress = progress
@@ -129,7 +140,41 @@ class Engine:
         self._router = OutputRouter()  # each generate/stream call's outputs go to it, whoever steps
         self.last_stats: EngineStats | None = None
         self.latency = LatencyHistograms()  # since the engine was created: what /metrics shows
+        self.adapter_counts: dict[str | None, dict[str, int]] = {}  # per adapter (None: base), never reset
         self.reset_stats()
+        for name, source in (adapters or {}).items():
+            self.load_adapter(name, source)
+
+    # ------------------------------------------------------------------ adapters
+    def load_adapter(self, name: str, source) -> LoraAdapter:
+        """Make LoRA adapter `name` resident, read from `source`: a directory saved by PEFT's `save_pretrained`,
+        a `(LoraConfig or its dict, state dict)` pair, or a `LoraAdapter` read already. Requests then run on it
+        with `adapter=name`, in the same steps as the base model's and other adapters' requests. Refused
+        (`ValueError`, nothing loaded) when the name is taken, its rank is above `max_rank`, `max_adapters` are
+        resident, or it does not fit the base model; other adapter types and LoRA variants (DoRA, biases,
+        `modules_to_save`, embedding targets) raise `NotImplementedError` naming them."""
+        if _has_adapter_layers(self.model):
+            raise ValueError(
+                "per-request LoRA adapters need the plain base model; this model holds PEFT adapter layers "
+                "(serve model.get_base_model(), or merge_and_unload() it)"
+            )
+        with self._lock:
+            self._release_unused_adapters()
+            return self.adapters.load(name, source)
+
+    def unload_adapter(self, name: str) -> None:
+        """Take adapter `name` out of service: new requests can no longer name it (and a new adapter may take the
+        name), while requests already added on it run to their end on its weights, which stay resident (and count
+        towards `max_adapters`) until the last of them finishes. `UnknownAdapterError` (a `ValueError`) for an
+        unknown name."""
+        with self._lock:
+            self.adapters.unload(name)
+            self._release_unused_adapters()
+
+    def _release_unused_adapters(self) -> None:
+        if self.adapters.num_resident > len(self.adapters):
+            in_use = [r.adapter for r in self._requests.values() if r.adapter is not None and not r.finished]
+            self.adapters.release_unused(in_use)
 
     @property
     def vocab_size(self) -> int:
@@ -143,9 +188,11 @@ class Engine:
         generation_config: GenerationConfig | SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        adapter: str | None = None,
         **options,
     ) -> str:
-        """Queue one prompt (a string, with a tokenizer, or token ids); returns its request id.
+        """Queue one prompt (a string, with a tokenizer, or token ids); returns its request id. `adapter` names the
+        LoRA adapter it runs on (`None`: the base model); an unknown name raises `ValueError`.
 
         Options are `SamplingParams` fields (`max_new_tokens`, `do_sample`, `temperature`, `top_k`, `top_p`,
         `repetition_penalty`, `eos_token_id`, `stop`/`stop_strings`, `seed`, `min_new_tokens`,
@@ -173,8 +220,9 @@ class Engine:
                     request_id = f"req-{next(self._ids)}"
             elif request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
+            lora = None if adapter is None else self.adapters.get(adapter)
             text = None if self.tokenizer is None else TextTracker(self.tokenizer, params.stop, prompt_ids)
-            request = Request(request_id, prompt_ids, params, text, generator)
+            request = Request(request_id, prompt_ids, params, text, generator, adapter=lora)
             self._requests[request_id] = request
             if params.max_new_tokens == 0:
                 request.finish("length")
@@ -268,6 +316,7 @@ class Engine:
                 if request.finished:
                     self._account_finished(request)
                     self._requests.pop(request.request_id, None)
+            self._release_unused_adapters()
             return self._router.route(outputs)
 
     def _run(self, step: Step) -> list[Request]:
@@ -323,12 +372,29 @@ class Engine:
         last = None if packed is None else packed.last_token_index.to(self.device)
         if self._keep_last_logits:
             inputs["logits_to_keep"] = 1 if last is None else last
-        with torch.inference_mode(), attention_implementation(self.model, self._implementation):
+        with (
+            torch.inference_mode(),
+            attention_implementation(self.model, self._implementation),
+            self._adapters_applied(step, inputs["input_ids"].shape[1]),
+        ):
             output = self.model(**inputs, past_key_values=self.cache, use_cache=True)
         self._count_positions(step, inputs["input_ids"].numel())
         if last is None:
             return output.logits[:, -1, :]
         return output.logits[0] if self._keep_last_logits else output.logits[0].index_select(0, last)
+
+    def _adapters_applied(self, step: Step, width: int):
+        """The context in which the model's forward applies every request's LoRA adapter to its own tokens: one
+        adapter slot per input position (packed: each request's new tokens; right-aligned: `width` positions per
+        row) and one per row (the LM head under `logits_to_keep`)."""
+        if not len(self.adapters) and not self.adapters.num_resident:
+            return contextlib.nullcontext()
+        if all(request.adapter is None for request in step.requests):
+            return contextlib.nullcontext()  # the base model's tokens only: nothing to add
+        rows = [-1 if r.adapter is None else self.adapters.slot_of(r.adapter) for r in step.requests]
+        repeats = step.new_tokens if step.batch.packed is not None else [width] * len(rows)
+        tokens = [slot for slot, count in zip(rows, repeats) for _ in range(count)]
+        return self.adapters.applied(torch.tensor(tokens), torch.tensor(rows))
 
     def _count_positions(self, step: Step, positions: int) -> None:
         """Positions through the model this step, and how many of them were pads (no token)."""
@@ -520,6 +586,12 @@ class Engine:
             )
 
     def _account_finished(self, request: Request) -> None:
+        counts = self.adapter_counts.setdefault(
+            request.adapter_name, {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0}
+        )
+        counts["requests"] += 1
+        counts["prompt_tokens"] += len(request.prompt_token_ids)
+        counts["generated_tokens"] += len(request.output_token_ids)
         self._counters["num_requests"] += 1
         self._counters["prompt_tokens"] += len(request.prompt_token_ids)
         self._counters["generated_tokens"] += len(request.output_token_ids)
@@ -537,6 +609,7 @@ class Engine:
                 self.abort(request_id)
             self._requests.clear()
             self.cache.detach()
+            self.adapters.release_unused(())
 
     def __enter__(self) -> Engine:
         return self
@@ -584,6 +657,11 @@ class Engine:
                 f"the prompt has {len(ids)} tokens; the model's context window is {self.max_context} tokens"
             )
         return ids
+
+
+def _has_adapter_layers(model: torch.nn.Module) -> bool:
+    tuners = sys.modules.get("peft.tuners.tuners_utils")  # not imported: no adapter layer can exist
+    return tuners is not None and any(isinstance(m, tuners.BaseTunerLayer) for m in model.modules())
 
 
 def out_of_vocabulary(token_ids, vocab_size: int) -> list:

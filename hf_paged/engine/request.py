@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.logits_process import LogitsProcessorList
 
+from ..adapters import LoraAdapter
 from ..rows import Row
 from .params import SamplingParams
 from .text import TextTracker
@@ -57,6 +58,7 @@ class RequestOutput:
         time_to_first_token (`float | None`): seconds from `add_request` to the first token.
         num_preemptions (`int`): times the request lost its blocks and was recomputed.
         prefix_tokens_reused (`int`): prompt tokens taken from the prefix cache instead of being computed.
+        adapter (`str | None`): the LoRA adapter the request ran on (`None`: the base model).
         logprobs (`list[TokenLogprob] | None`): one per generated token, when `SamplingParams.logprobs` is set.
         new_logprobs (`list[TokenLogprob] | None`): those of `new_token_ids`.
     """
@@ -75,6 +77,7 @@ class RequestOutput:
     prefix_tokens_reused: int = 0
     logprobs: list[TokenLogprob] | None = None
     new_logprobs: list[TokenLogprob] | None = None
+    adapter: str | None = None
 
 
 @dataclass(eq=False)
@@ -86,6 +89,7 @@ class Request:
     params: SamplingParams
     text: TextTracker | None = None
     generator: torch.Generator | None = None
+    adapter: LoraAdapter | None = None  # the LoRA adapter it runs on (None: the base model)
     processors: LogitsProcessorList | None = None  # next-token processors, built on first use (`sampler`)
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # one per output token, when `params.logprobs` is set
@@ -107,6 +111,17 @@ class Request:
     def token_ids(self) -> list[int]:
         """Prompt and generated tokens: what a recompute after preemption prefills."""
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def adapter_name(self) -> str | None:
+        return None if self.adapter is None else self.adapter.name
+
+    @property
+    def prefix_namespace(self) -> bytes | None:
+        """What besides the model decides its K/V: its adapter's name and weights digest (`None`: the base)."""
+        if self.adapter is None:
+            return None
+        return f"lora\x1f{self.adapter.name}\x1f{self.adapter.digest}".encode()
 
     @property
     def num_tokens(self) -> int:
@@ -164,4 +179,5 @@ class Request:
             prefix_tokens_reused=self.prefix_tokens_reused,
             logprobs=logprobs,
             new_logprobs=new_logprobs,
+            adapter=self.adapter_name,
         )

@@ -251,7 +251,7 @@ class Scheduler:
                 request.finish(_outgrown_reason(request), error)
                 failed.append(request)
                 continue
-            row = self._new_row(tokens)
+            row = self._new_row(tokens, request.prefix_namespace)
             new = len(tokens) - row.num_tokens
             chunk = min(new, budget)
             over_budget = (
@@ -293,11 +293,14 @@ class Scheduler:
             "it (release them, e.g. PagedCache.release(), or give the pool more blocks)"
         )
 
-    def _new_row(self, tokens: list[int]) -> Row:
+    def _new_row(self, tokens: list[int], namespace: bytes | None = None) -> Row:
+        """A row for `tokens`, holding their longest cached prefix computed under `namespace` (a LoRA adapter's, see
+        `ForwardPlanner.roots_for`)."""
         planner = self.planner
         if not planner.prefix_caching:
             return self.pool.new_rows(1, planner.layout.num_groups, track_tokens=False)[0]
-        return self.pool.cached_prefix_row(planner.roots, planner.layout.windows, tokens, count_reuse=False)
+        roots = planner.roots_for(namespace)
+        return self.pool.cached_prefix_row(roots, planner.layout.windows, tokens, count_reuse=False)
 
     # ------------------------------------------------------------------ chunks, decode and preemption
     def _chunk_step(self, request: Request, failed: list[Request]) -> Step | None:

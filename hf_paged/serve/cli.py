@@ -89,6 +89,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a rank waits for the others before the group stops with an error (default "
         f"{DEFAULT_TP_TIMEOUT_S:g})",
     )
+    serve.add_argument(
+        "--lora",
+        action="append",
+        type=_lora,
+        default=[],
+        metavar="NAME=PATH",
+        help="serve the PEFT LoRA adapter saved in PATH as model NAME, next to the base model (repeatable); "
+        "a request's `model` field picks it",
+    )
+    serve.add_argument("--max-loras", type=_degree, default=8, help="most LoRA adapters resident at once (default 8)")
+    serve.add_argument("--max-lora-rank", type=_degree, default=64, help="largest LoRA rank accepted (default 64)")
     serve.add_argument("--log-level", type=_log_level, default="info", help=f"one of {', '.join(LOG_LEVELS)}")
     return parser
 
@@ -125,6 +136,34 @@ def _log_level(value: str) -> str:
     if value.lower() not in LOG_LEVELS:
         raise argparse.ArgumentTypeError(f"must be one of {', '.join(LOG_LEVELS)}, got {value!r}")
     return value.lower()
+
+
+def _lora(value: str) -> tuple[str, str]:
+    """`NAME=PATH` of a saved PEFT adapter, checked before the model loads."""
+    name, equals, path = value.partition("=")
+    if not equals or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+        raise argparse.ArgumentTypeError(f"{path!r} is no PEFT adapter directory (no adapter_config.json)")
+    return name.strip(), path
+
+
+def check_loras(args) -> str | None:
+    """Why the `--lora` options cannot be served together (a name twice, the base model's name, too many, with
+    `--tp`), or `None`."""
+    from pathlib import Path
+
+    names = [name for name, _ in args.lora]
+    served = args.served_model_name or Path(args.model_path).name
+    if len(set(names)) != len(names):
+        return f"--lora: the name {next(n for n in names if names.count(n) > 1)!r} is given twice"
+    if served in names:
+        return f"--lora: {served!r} is the base model's name (--served-model-name renames it)"
+    if len(names) > args.max_loras:
+        return f"--lora: {len(names)} adapters, above --max-loras {args.max_loras}"
+    if names and args.tp > 1:
+        return "--lora cannot be combined with --tp (tensor-parallel engines serve no adapter)"
+    return None
 
 
 def _degree(value: str) -> int:
@@ -328,6 +367,9 @@ def serve(args) -> None:
             max_prefill_tokens=args.max_prefill_tokens,
             max_num_batched_tokens=args.max_num_batched_tokens,
             progress=False,
+            adapters=dict(args.lora),
+            max_adapters=args.max_loras,
+            max_rank=args.max_lora_rank,
             **pool_options,
         )
     except ValueError as error:  # a pool the options cannot size (--max-memory below one block, ...)
@@ -342,8 +384,8 @@ def serve(args) -> None:
             engine.follow()
             dist.destroy_process_group()
             return
-    loop = EngineLoop(engine)
-    app = create_app(loop, name, api_key(args), max_body_bytes=args.max_body_size)
+    loop = EngineLoop(engine, model_name=name)
+    app = create_app(loop, name, api_key(args), max_body_bytes=args.max_body_size, lora_paths=dict(args.lora))
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -371,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     serve_parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    if args.command == "serve" and (problem := check_loras(args)) is not None:
+        serve_parser.error(problem)
     try:
         check_serve_args(args)  # before any model loads: a usage error, not a traceback after minutes of loading
     except UsageError as error:

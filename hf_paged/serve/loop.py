@@ -57,11 +57,13 @@ class EngineLoop:
         ```
     """
 
-    def __init__(self, engine: Engine, *, snapshot_interval_s: float = 0.25):
+    def __init__(self, engine: Engine, *, snapshot_interval_s: float = 0.25, model_name: str = "base"):
         self.engine = engine
+        self.model_name = model_name  # the base model's name in the per-model counters
         self.totals = {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0}
+        self.model_totals: dict[str, dict[str, int]] = {}  # the same per model: the base's name or an adapter's
         self.snapshot_interval_s = snapshot_interval_s
-        self.snapshot = MetricsSnapshot.take(engine, self.totals, time.monotonic())
+        self.snapshot = MetricsSnapshot.take(engine, self.totals, time.monotonic(), self.model_totals)
         self.shutdown_aborted = False
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._subscribers: dict[str, tuple[Deliver, int]] = {}
@@ -97,6 +99,14 @@ class EngineLoop:
         except asyncio.CancelledError:
             future.add_done_callback(self._abort_added)
             raise
+
+    async def call(self, function: Callable[[Engine], object]):
+        """Run `function(engine)` on the engine thread between two steps (loading or unloading an adapter) and return
+        its result, or raise what it raised. Waits at most for the running step, off the event loop."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", (function, future)))
+        self._wake.set()
+        return await asyncio.wrap_future(future)
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests (their client went away). Never blocks and never awaits, so it is safe in a `finally`
@@ -168,6 +178,8 @@ class EngineLoop:
                 return
             if kind == "add":
                 self._add(*item)
+            elif kind == "call":
+                self._call(*item)
             else:
                 for request_id in item:
                     self.engine.abort(request_id)
@@ -191,6 +203,17 @@ class EngineLoop:
             return
         future.set_result(added)
 
+    def _call(self, function, future: concurrent.futures.Future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            result = function(self.engine)
+        except Exception as error:  # noqa: BLE001 - handed to the caller
+            future.set_exception(error)
+            return
+        future.set_result(result)
+        self._publish(force=True)
+
     def _abort_everything(self) -> None:
         self._deadline = None
         pending = list(self._subscribers)
@@ -205,6 +228,11 @@ class EngineLoop:
             self.totals["requests"] += 1
             self.totals["prompt_tokens"] += len(output.prompt_token_ids)
             self.totals["generation_tokens"] += len(output.token_ids)
+            name = self.model_name if output.adapter is None else output.adapter
+            counts = self.model_totals.setdefault(name, {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0})
+            counts["requests"] += 1
+            counts["prompt_tokens"] += len(output.prompt_token_ids)
+            counts["generation_tokens"] += len(output.token_ids)
             subscriber = self._subscribers.pop(output.request_id, None)
         else:
             subscriber = self._subscribers.get(output.request_id)
@@ -223,4 +251,4 @@ class EngineLoop:
             or values["hf_paged_requests_waiting"] != self.engine.num_waiting
         )
         if force or changed or now - self.snapshot.taken_at >= self.snapshot_interval_s:
-            self.snapshot = MetricsSnapshot.take(self.engine, self.totals, now)
+            self.snapshot = MetricsSnapshot.take(self.engine, self.totals, now, self.model_totals)

@@ -23,6 +23,12 @@ _SAMPLES = (  # name, kind, help
     ("hf_paged_requests_total", "counter", "Requests finished"),
     ("hf_paged_prompt_tokens_total", "counter", "Prompt tokens of finished requests"),
     ("hf_paged_generation_tokens_total", "counter", "Tokens generated"),
+    ("hf_paged_requests_by_model_total", "counter", "Requests finished, per model (the base or a LoRA adapter)"),
+    ("hf_paged_prompt_tokens_by_model_total", "counter", "Prompt tokens of finished requests, per model"),
+    ("hf_paged_generation_tokens_by_model_total", "counter", "Tokens generated, per model"),
+    ("hf_paged_lora_adapters_loaded", "gauge", "LoRA adapters requests can name"),
+    ("hf_paged_lora_adapters_resident", "gauge", "LoRA adapters in memory (unloaded ones still serving included)"),
+    ("hf_paged_lora_adapter_bytes", "gauge", "Bytes of the resident LoRA adapters' stacked factors"),
     ("hf_paged_engine_steps_total", "counter", "Engine steps (forwards) run"),
     ("hf_paged_engine_steps_by_kind_total", "counter", "Engine steps by kind: prefill, decode, or mixed (both)"),
     ("hf_paged_positions_computed_total", "counter", "Positions the model's forwards computed (tokens and pads)"),
@@ -57,8 +63,11 @@ class MetricsSnapshot:
     latency: LatencyHistograms | None = None
 
     @classmethod
-    def take(cls, engine: Engine, totals: dict[str, int], taken_at: float) -> MetricsSnapshot:
-        """Read `engine` and its pool; call it from the thread that steps the engine, between steps."""
+    def take(
+        cls, engine: Engine, totals: dict[str, int], taken_at: float, model_totals: dict | None = None
+    ) -> MetricsSnapshot:
+        """Read `engine` and its pool; call it from the thread that steps the engine, between steps.
+        `model_totals` are the counters per model (`{name: {"requests", "prompt_tokens", "generation_tokens"}}`)."""
         pool = engine.pool.stats()
         values = {
             "hf_paged_kv_blocks_used": pool.num_used,
@@ -76,6 +85,16 @@ class MetricsSnapshot:
             "hf_paged_generation_tokens_total": totals["generation_tokens"],
             "hf_paged_engine_steps_total": engine.num_steps,
         }
+        for model, counts in (model_totals or {}).items():
+            label = '{model="' + model.replace("\\", "\\\\").replace('"', '\\"') + '"}'
+            values["hf_paged_requests_by_model_total" + label] = counts["requests"]
+            values["hf_paged_prompt_tokens_by_model_total" + label] = counts["prompt_tokens"]
+            values["hf_paged_generation_tokens_by_model_total" + label] = counts["generation_tokens"]
+        adapters = getattr(engine, "adapters", None)
+        if adapters is not None:
+            values["hf_paged_lora_adapters_loaded"] = len(adapters)
+            values["hf_paged_lora_adapters_resident"] = adapters.num_resident
+            values["hf_paged_lora_adapter_bytes"] = adapters.num_bytes
         counts = engine.step_counts
         for kind in ("prefill", "decode", "mixed"):
             values[f'hf_paged_engine_steps_by_kind_total{{kind="{kind}"}}'] = counts[kind]

@@ -231,3 +231,21 @@ def message_text(message: ChatMessage) -> str:
     if isinstance(message.content, list):
         return "".join(part["text"] for part in message.content)
     return message.content or ""
+
+
+class LoadLoraRequest(BaseModel):
+    """`POST /v1/load_lora_adapter` (vLLM's names): serve the PEFT LoRA adapter saved in `lora_path` as model
+    `lora_name`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraRequest(BaseModel):
+    """`POST /v1/unload_lora_adapter`: stop serving adapter `lora_name` (requests running on it finish)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    lora_name: str = Field(min_length=1)

@@ -12,6 +12,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..adapters import LoraAdapter
+from ..errors import UnknownAdapterError
 from .body import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware, parse_body
 from .calls import Call, watch_disconnect
 from .errors import APIError, error_body, error_kind
@@ -21,7 +23,9 @@ from .prompts import PromptEncoder
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    LoadLoraRequest,
     SamplingFields,
+    UnloadLoraRequest,
     message_text,
     unsupported_fields,
 )
@@ -36,16 +40,37 @@ SHUTDOWN_MESSAGE = "the server is shutting down; the request was aborted at the 
 
 
 def create_app(
-    loop: EngineLoop, model_name: str, api_key: str | None = None, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    loop: EngineLoop,
+    model_name: str,
+    api_key: str | None = None,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    lora_paths: dict[str, str] | None = None,
 ) -> FastAPI:
     """A FastAPI app serving `loop.engine` as `model_name`: `/v1/completions`, `/v1/chat/completions` (both with
     server-sent-event streaming), `/v1/models`, `/health` and `/metrics`. With `api_key`, `/v1/*` needs
     `Authorization: Bearer <api_key>` (the scheme in any case). Request bodies over `max_body_bytes` get 413 before
-    they are read."""
+    they are read. The engine's LoRA adapters are served as models of their own (a request's `model` picks one;
+    `/v1/models` lists them with `parent` = `model_name`), loaded from `lora_paths` (`{name: path}`, for
+    `/v1/models`' `root`) and at runtime through `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`."""
     app = FastAPI(title="hf_paged", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     engine = loop.engine
     encoder = PromptEncoder(engine.tokenizer, engine.max_context, engine.vocab_size)
+    paths = dict(lora_paths or {})
+    adapters = getattr(engine, "adapters", None)  # a DistributedEngine serves no adapter
+
+    def adapter_of(body: SamplingFields) -> str | None:
+        """The adapter `body.model` names (`None`: the base model), or a 404 naming the models served."""
+        if body.model == model_name:
+            return None
+        if adapters is not None and body.model in adapters:
+            return body.model
+        served = [model_name, *([] if adapters is None else adapters.names)]
+        raise APIError(
+            404, f"model {body.model!r} does not exist; this server serves {served}", "model", "model_not_found"
+        )
+
     token_text = TokenTexts(engine.tokenizer)
 
     @app.exception_handler(APIError)
@@ -87,31 +112,64 @@ def create_app(
 
     @v1.get("/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "hf_paged"}]}
+        base = {"id": model_name, "object": "model", "created": 0, "owned_by": "hf_paged", "root": model_name}
+        data = [{**base, "parent": None}]
+        for name in [] if adapters is None else adapters.names:
+            data.append({**base, "id": name, "root": paths.get(name, name), "parent": model_name})
+        return {"object": "list", "data": data}
+
+    @v1.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        body = await _parse(request, LoadLoraRequest)
+        if adapters is None:
+            raise APIError(400, "this server cannot load LoRA adapters (tensor parallel)", code="unsupported")
+        if body.lora_name == model_name:
+            raise APIError(400, f"lora_name {body.lora_name!r} is the base model's name", "lora_name")
+        if body.lora_name in adapters:
+            raise APIError(400, f"an adapter named {body.lora_name!r} is loaded already; unload it first", "lora_name")
+        try:  # read and checked off the engine thread: the running requests do not wait for the disk
+            adapter = await asyncio.to_thread(LoraAdapter.load, body.lora_name, body.lora_path, engine.model)
+            await loop.call(lambda e: e.load_adapter(body.lora_name, adapter))
+        except (ValueError, NotImplementedError, OSError) as error:
+            raise APIError(400, str(error), "lora_path") from None
+        paths[body.lora_name] = body.lora_path
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @v1.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        body = await _parse(request, UnloadLoraRequest)
+        try:
+            await loop.call(lambda e: e.unload_adapter(body.lora_name))
+        except UnknownAdapterError as error:
+            raise APIError(404, str(error), "lora_name", "model_not_found") from None
+        paths.pop(body.lora_name, None)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @v1.post("/completions")
     async def completions(request: Request):
         body = await _parse(request, CompletionRequest)
-        _check(body, model_name)
+        adapter = adapter_of(body)
+        _check(body)
         if isinstance(body.prompt, str):  # token ids are checked against the context below, before submitting
             encoder.check_evident_length(len(body.prompt), "prompt")
         prompt_ids = await asyncio.to_thread(encoder.encode, body.prompt)
         echo = ""
         if body.echo:
             echo = body.prompt if isinstance(body.prompt, str) else await asyncio.to_thread(_decode, engine, prompt_ids)
-        reply = Reply(model_name, False, token_text, body.logprobs, echo, body.include_usage)
-        return await _serve(loop, body, prompt_ids, reply, request, body.logprobs)
+        reply = Reply(body.model, False, token_text, body.logprobs, echo, body.include_usage)
+        return await _serve(loop, body, prompt_ids, reply, request, body.logprobs, adapter)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
         body = await _parse(request, ChatCompletionRequest)
-        _check(body, model_name)
+        adapter = adapter_of(body)
+        _check(body)
         messages = [{"role": m.role, "content": message_text(m)} for m in body.messages]
         encoder.check_evident_length(sum(len(m["content"]) for m in messages), "messages")
         prompt_ids = await asyncio.to_thread(_chat_ids, encoder, messages)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        reply = Reply(model_name, True, token_text, logprobs, include_usage=body.include_usage)
-        return await _serve(loop, body, prompt_ids, reply, request, logprobs)
+        reply = Reply(body.model, True, token_text, logprobs, include_usage=body.include_usage)
+        return await _serve(loop, body, prompt_ids, reply, request, logprobs, adapter)
 
     app.include_router(v1)
     return app
@@ -122,11 +180,7 @@ async def _parse(request: Request, model):
     return await asyncio.to_thread(parse_body, raw, model)
 
 
-def _check(body: SamplingFields, model_name: str) -> None:
-    if body.model != model_name:
-        raise APIError(
-            404, f"model {body.model!r} does not exist; this server serves {model_name!r}", "model", "model_not_found"
-        )
+def _check(body: SamplingFields) -> None:
     refused = unsupported_fields(body)
     if refused is not None:
         param, message = refused
@@ -207,8 +261,12 @@ def _options(engine, body: SamplingFields, prompt_ids: list[int], chat: bool, lo
     return options
 
 
-async def _serve(loop: EngineLoop, body: SamplingFields, prompt_ids, reply: Reply, request: Request, logprobs):
+async def _serve(
+    loop: EngineLoop, body: SamplingFields, prompt_ids, reply: Reply, request: Request, logprobs, adapter: str | None
+):
     options = _options(loop.engine, body, prompt_ids, reply.chat, logprobs)
+    if adapter is not None:
+        options["adapter"] = adapter
     choices = []
     for index in range(body.n):  # seeds seed, seed + 1, ... (an int64 seed maps onto the generator's [0, 2**64))
         seed = None if body.seed is None else (body.seed + index) % 2**64
@@ -218,6 +276,8 @@ async def _serve(loop: EngineLoop, body: SamplingFields, prompt_ids, reply: Repl
         await call.start(prompt_ids, choices)
     except ShuttingDown as error:
         raise APIError(503, str(error), code="server_shutdown") from None
+    except UnknownAdapterError as error:  # unloaded since the request was checked
+        raise APIError(404, str(error), "model", "model_not_found") from None
     except (ValueError, TypeError) as error:
         raise APIError(400, str(error)) from None
     if body.stream:
