@@ -236,6 +236,13 @@ def test_engine_packed_steps_split_between_the_kernel_and_gather():
     assert engine.cache.kernel.max_queries == AUTO_CPU_MAX_QUERIES
     # decoding rows and short chunks in place; the chunks of the 40- and 25-token prompts gather
     assert calls["cpu"] > 0 and calls["gather"] > 0
+    assert engine.stats().attention_kernel == "cpu" and engine.stats().attention_calls == calls
+    from hf_paged.serve.metrics import MetricsSnapshot, render_metrics
+
+    totals = {"requests": 5, "prompt_tokens": 77, "generation_tokens": 30}
+    text = render_metrics(MetricsSnapshot.take(engine, totals, 0.0)).splitlines()
+    assert 'hf_paged_attention_kernel_info{kernel="cpu"} 1' in text
+    assert f'hf_paged_attention_calls_total{{kernel="gather"}} {calls["gather"]}' in text
     for prompt, output in zip(prompts, outputs):
         stock = model.generate(
             torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None

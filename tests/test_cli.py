@@ -83,6 +83,7 @@ BAD_OPTIONS = {
                             "every running request"),
     "not-a-device": (["--device", "gpu0"], "--device 'gpu0' is not a device"),
     "port": (["--port", "70000"], "argument --port: must be a port number in [0, 65535], got 70000"),
+    "kernel": (["--kernel", "fast"], "argument --kernel: invalid choice: 'fast'"),
     "log-level": (["--log-level", "loud"], "argument --log-level: must be one of critical, error, warning, info"),
 }  # fmt: skip
 

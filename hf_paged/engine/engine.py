@@ -583,6 +583,8 @@ class Engine:
                 preemptions=self.scheduler.num_preemptions - self._preemptions_at_reset,
                 peak_blocks=self.pool.stats().peak_used,
                 prefix_hit_rate=self.prefix_hit_rate,
+                attention_kernel=self.cache.kernel.backend,
+                attention_calls=dict(self.cache.attention_calls),
             )
 
     def _account_finished(self, request: Request) -> None:

@@ -28,6 +28,10 @@ class EngineStats:
         prefix_hit_rate (`float`): share of admitted prompt tokens taken from the prefix cache.
         positions_computed (`int`): positions the model's forwards computed (tokens and pads).
         pad_positions (`int`): of those, pad positions (no token): 0 for packed steps.
+        attention_kernel (`str`): the paged-attention backend the engine's attention calls (`"cpu"`: blocks read in
+            place; `"gather"`: K/V copied out of them first; see `hf_paged.kernels`).
+        attention_calls (`dict[str, int]`): attention calls (per layer and step) by the backend that ran them, since
+            the engine was created.
     """
 
     num_requests: int
@@ -47,6 +51,8 @@ class EngineStats:
     mixed_steps: int = 0
     positions_computed: int = 0
     pad_positions: int = 0
+    attention_kernel: str = "gather"
+    attention_calls: dict = field(default_factory=dict, repr=False)
 
     @property
     def pad_share(self) -> float:

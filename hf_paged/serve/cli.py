@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from ..config import parse_memory
+from ..kernels import KERNELS
 
 logger = logging.getLogger("hf_paged.serve")
 
@@ -35,6 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     serve.add_argument("--device", default=None, help="e.g. cuda:0 (default: cuda when available, else cpu)")
     serve.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block (default 16)")
+    serve.add_argument(
+        "--kernel",
+        choices=KERNELS,
+        default=None,
+        help="paged-attention backend: auto (default: read the blocks in place where this device has a kernel), "
+        "gather (copy K/V out of the blocks, then SDPA), or a named backend",
+    )
     size = serve.add_mutually_exclusive_group()
     size.add_argument("--num-blocks", type=_positive, help="KV blocks in the pool")
     size.add_argument(
@@ -355,6 +363,8 @@ def serve(args) -> None:
         init_distributed(args.tp_timeout)
     model, tokenizer, name = load(args, tensor_parallel=rank is not None)
     pool_options = {"block_size": args.block_size}
+    if args.kernel is not None:
+        pool_options["kernel"] = args.kernel
     if args.num_blocks is not None:
         pool_options["num_blocks"] = args.num_blocks
     if args.max_memory is not None:

@@ -33,6 +33,8 @@ _SAMPLES = (  # name, kind, help
     ("hf_paged_engine_steps_by_kind_total", "counter", "Engine steps by kind: prefill, decode, or mixed (both)"),
     ("hf_paged_positions_computed_total", "counter", "Positions the model's forwards computed (tokens and pads)"),
     ("hf_paged_pad_positions_total", "counter", "Pad positions among them (0 for packed steps)"),
+    ("hf_paged_attention_kernel_info", "gauge", "The paged-attention backend in use (label kernel), always 1"),
+    ("hf_paged_attention_calls_total", "counter", "Attention calls (per layer and step) by the backend that ran them"),
     ("hf_paged_tp_world_size", "gauge", "Tensor-parallel ranks serving the model (1: one process)"),
     ("hf_paged_rank_kv_blocks_used", "gauge", "KV blocks in use in each rank's pool"),
     ("hf_paged_rank_kv_usage_ratio", "gauge", "Share of each rank's KV blocks in use"),
@@ -100,6 +102,11 @@ class MetricsSnapshot:
             values[f'hf_paged_engine_steps_by_kind_total{{kind="{kind}"}}'] = counts[kind]
         values["hf_paged_positions_computed_total"] = counts["positions"]
         values["hf_paged_pad_positions_total"] = counts["pads"]
+        cache = getattr(engine, "cache", None)
+        if cache is not None:
+            values[f'hf_paged_attention_kernel_info{{kernel="{cache.kernel.backend}"}}'] = 1
+            for backend, calls in cache.attention_calls.items():
+                values[f'hf_paged_attention_calls_total{{kernel="{backend}"}}'] = calls
         states = getattr(engine, "rank_states", None) or [RankState.of(0, engine)]  # a DistributedEngine's ranks
         values["hf_paged_tp_world_size"] = len(states)
         for state in states:
@@ -120,7 +127,7 @@ class MetricsSnapshot:
 def render_metrics(snapshot: MetricsSnapshot) -> str:
     """Prometheus exposition text of `snapshot`: KV blocks used/free, usage and waste, prefix hit rate, preemptions,
     requests running/waiting, the server's request, token and step counters (steps by kind, positions computed and
-    pad positions among them), each tensor-parallel rank's KV blocks and bytes (labelled `rank="0"`, ...; one
+    pad positions among them), the attention kernel in use and its calls, each tensor-parallel rank's KV blocks and bytes (labelled `rank="0"`, ...; one
     rank without tensor parallelism), and the latency histograms (time to first token, inter-token latency,
     end-to-end latency, queue time: `_bucket{le="..."}`, `_sum`, `_count`).
 
