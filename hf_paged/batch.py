@@ -348,7 +348,8 @@ class ForwardBatch:
         keys, values = storage.gather(layer_idx, *local.read_index(storage.num_heads(layer_idx), first, stop, rows))
         if new is not None:
             count = new[0].shape[2]
-            keys[:, :, -count:], values[:, :, -count:] = new
+            # as the pages hold them (quantized pages: what every later read gives back)
+            keys[:, :, -count:], values[:, :, -count:] = (storage.format.round_trip(tensor) for tensor in new)
         return keys, values
 
     def read_in_place(self, layer_idx: int) -> None:

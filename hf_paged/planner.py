@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .batch import ForwardBatch, ForwardInputs, PackedRows, address_packed, address_tables, extend_addressing
@@ -60,12 +62,14 @@ class ForwardPlanner:
     def for_model(cls, model: torch.nn.Module, config: PagedCacheConfig) -> ForwardPlanner:
         """The planner of `model`'s pool (created on first use, see `get_pool`) under `config`."""
         check_supported(model)
-        pool = get_pool(model, config=config)
+        # the K/V format is never inherited from an earlier call: a call that does not ask for quantized pages
+        # gets pages in the model's dtype (an idle pool of another format is rebuilt)
+        pool = get_pool(model, config=dataclasses.replace(config, kv_dtype=config.resolved_kv_dtype))
         windows = layer_windows(model, model.config.get_text_config(decoder=True))
         layout = pool.layout
         if layout is None or len(layout.group_of) != len(windows):
             layout = KVLayout.for_windows(windows, split=False)
-        return cls(pool, layout, root_hash(prefix_namespace(model)), config.resolved_prefix_caching)
+        return cls(pool, layout, pool_root(pool, model), config.resolved_prefix_caching)
 
     # ------------------------------------------------------------------ state
     @property
@@ -94,7 +98,7 @@ class ForwardPlanner:
         """Recompute `root` from `model` as it is now (its weights may have been trained since). When it changed,
         `rows` (those holding K/V) are never indexed again: their K/V so far comes from the previous weights, so no
         block they fill from now on may stand for the new weights' K/V of its tokens."""
-        root = root_hash(prefix_namespace(model))
+        root = pool_root(self.pool, model)
         if root != self.root:
             for row in rows:
                 row.record(None)
@@ -288,3 +292,9 @@ def duplicate_row_leaders(inputs: ForwardInputs, batch: int, num_new: int) -> li
     first.scatter_reduce_(0, group, torch.arange(batch, device=group.device), reduce="amin")
     leaders = first[group].tolist()
     return None if leaders == list(range(batch)) else leaders
+
+
+def pool_root(pool: BlockPool, model: torch.nn.Module) -> bytes:
+    """The prefix-cache root of `model`'s blocks in `pool`: the model's namespace (`prefix_namespace`) and the
+    pool's K/V format, so blocks of different formats never stand in for each other."""
+    return root_hash(prefix_namespace(model) + f"\x1fkv:{pool.kv_dtype}".encode())

@@ -6,13 +6,14 @@ import logging
 import os
 import threading
 import weakref
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
 from .allocator import AllocatorStats, BlockAllocator, BlockTable
 from .config import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_FRACTION, DEFAULT_MAX_BLOCKS, PagedCacheConfig
 from .groups import KVLayout, layer_kv_shapes
+from .kv_format import FORMATS, kv_format
 from .rows import Row
 from .storage import KVStorage, autocast_dtype
 from .tensor_parallel import local_kv_shapes, tensor_parallel_placement
@@ -36,6 +37,8 @@ class KVShape:
             whose layers differ.
         tp_rank, tp_world_size (`int`): this process's rank in the model's tensor-parallel group and the group's
             size (0 and 1 without tensor parallelism).
+        kv_dtype (`str`): how the pool stores K/V (`"auto"`: in `dtype`; `"int8"`, `"int4"`: quantized, a bfloat16
+            scale per token and head included in every byte count here).
     """
 
     num_layers: int
@@ -46,6 +49,7 @@ class KVShape:
     layer_kv: tuple[tuple[int, int], ...] | None = None
     tp_rank: int = 0
     tp_world_size: int = 1
+    kv_dtype: str = "auto"
 
     @property
     def kv_heads_local(self) -> int:
@@ -54,10 +58,11 @@ class KVShape:
 
     @property
     def bytes_per_token(self) -> int:
-        """2 (K and V) x layers x KV heads x head dim x dtype bytes: one token of the model's KV."""
+        """2 (K and V) x layers x KV heads x bytes of one head's vector (head dim x dtype bytes; quantized: the
+        codes and the scale): one token of the model's KV."""
         if self.layer_kv is not None:
-            return sum(2 * heads * dim for heads, dim in self.layer_kv) * self._dtype_bytes
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self._dtype_bytes
+            return sum(2 * heads * self._head_bytes(dim) for heads, dim in self.layer_kv)
+        return 2 * self.num_layers * self.num_kv_heads * self._head_bytes(self.head_dim)
 
     @property
     def bytes_per_block_token(self) -> int:
@@ -65,19 +70,19 @@ class KVShape:
         `layers_per_block` layers (a hybrid model's layer groups, whose layers all have one KV shape)."""
         if self.layers_per_block is None:
             return self.bytes_per_token
-        return 2 * self.layers_per_block * self.num_kv_heads * self.head_dim * self._dtype_bytes
+        return 2 * self.layers_per_block * self.num_kv_heads * self._head_bytes(self.head_dim)
 
-    @property
-    def _dtype_bytes(self) -> int:
-        return torch.finfo(self.dtype).bits // 8
+    def _head_bytes(self, head_dim: int) -> int:
+        return kv_format(self.kv_dtype).bytes_per_head(head_dim, self.dtype)
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, layers_per_block: int | None = None) -> KVShape:
-        """The KV cost of `model` on this process; under transformers' tensor parallelism (`tp_plan="auto"`), of
-        the KV heads this rank's key projections actually hold.
+    def from_model(cls, model: torch.nn.Module, layers_per_block: int | None = None, kv_dtype: str = "auto") -> KVShape:
+        """The KV cost of `model` on this process, its K/V stored as `kv_dtype`; under transformers' tensor
+        parallelism (`tp_plan="auto"`), of the KV heads this rank's key projections actually hold.
 
         Raises:
-            ValueError: the model's tensor-parallel degree does not divide a layer's KV heads.
+            ValueError: the model's tensor-parallel degree does not divide a layer's KV heads, or a layer's head dim
+                cannot be stored as `kv_dtype` (an odd head dim in 4 bits).
 
         Example:
 
@@ -94,7 +99,12 @@ class KVShape:
         shapes = local_kv_shapes(layer_kv_shapes(config), placement)
         dtype = model_kv_dtype(model)
         layer_kv = tuple(shapes) if len(set(shapes)) > 1 else None
-        return cls(len(shapes), *shapes[0], dtype, layers_per_block, layer_kv, placement.rank, placement.world_size)
+        fmt = kv_format(kv_dtype)
+        for _, head_dim in sorted(set(shapes)):
+            fmt.check_head_dim(head_dim, type(model).__name__)
+        return cls(
+            len(shapes), *shapes[0], dtype, layers_per_block, layer_kv, placement.rank, placement.world_size, kv_dtype
+        )
 
 
 def model_kv_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -107,11 +117,25 @@ def model_kv_dtype(model: torch.nn.Module) -> torch.dtype:
 class PoolStats(AllocatorStats):
     """`AllocatorStats` of a pool, with where the pool lives: `tp_rank` and `tp_world_size` of the model's
     tensor-parallel group (0 and 1 without one) and `kv_heads_local`, the KV heads per layer this rank's blocks hold
-    (`None` for a pool built without a model). Block counts are this rank's; every rank's are the same."""
+    (`None` for a pool built without a model). Block counts are this rank's; every rank's are the same.
+    `kv_dtype` says how blocks store K/V and `block_bytes` what one block costs in memory, quantization scales
+    included (`None` without a model); `kv_bytes_used` and `kv_bytes_total` follow from them."""
 
     tp_rank: int = 0
     tp_world_size: int = 1
     kv_heads_local: int | None = None
+    kv_dtype: str = field(default="auto", repr=False)
+    block_bytes: int | None = field(default=None, repr=False)
+
+    @property
+    def kv_bytes_used(self) -> int | None:
+        """Memory of the blocks in use (`None` for a pool built without a model)."""
+        return None if self.block_bytes is None else self.num_used * self.block_bytes
+
+    @property
+    def kv_bytes_total(self) -> int | None:
+        """Memory of every block of the pool (`None` for a pool built without a model)."""
+        return None if self.block_bytes is None else self.num_blocks * self.block_bytes
 
 
 class BlockPool:
@@ -143,7 +167,8 @@ class BlockPool:
     ):
         self.allocator = BlockAllocator(num_blocks, block_size)
         split = layout is not None and layout.num_groups > 1
-        self.storage = KVStorage(num_blocks, block_size, layout.lane_of if split else None)
+        fmt = FORMATS[kv_shape.kv_dtype] if kv_shape is not None else None
+        self.storage = KVStorage(num_blocks, block_size, layout.lane_of if split else None, fmt)
         self.kv_shape = kv_shape
         self.layout = layout
         self.last_cache_stats = None  # CacheStats of the most recently released PagedCache
@@ -166,6 +191,11 @@ class BlockPool:
         return self.allocator.num_free
 
     @property
+    def kv_dtype(self) -> str:
+        """How the blocks store K/V: `"auto"` (the model's dtype), `"int8"` or `"int4"` (see `hf_paged.kv_format`)."""
+        return self.storage.format.name
+
+    @property
     def tp_rank(self) -> int:
         """This process's rank in the model's tensor-parallel group (0 without tensor parallelism)."""
         return self.kv_shape.tp_rank if self.kv_shape is not None else 0
@@ -184,8 +214,14 @@ class BlockPool:
         """The allocator's `AllocatorStats`, as a `PoolStats` that also says which rank's pool this is."""
         snapshot = self.allocator.stats()
         counts = {field.name: getattr(snapshot, field.name) for field in fields(AllocatorStats)}
+        block_bytes = None if self.kv_shape is None else self.kv_shape.bytes_per_block_token * self.block_size
         return PoolStats(
-            **counts, tp_rank=self.tp_rank, tp_world_size=self.tp_world_size, kv_heads_local=self.kv_heads_local
+            **counts,
+            tp_rank=self.tp_rank,
+            tp_world_size=self.tp_world_size,
+            kv_heads_local=self.kv_heads_local,
+            kv_dtype=self.kv_dtype,
+            block_bytes=block_bytes,
         )
 
     def follow_model_dtype(self, model: torch.nn.Module) -> bool:
@@ -286,7 +322,8 @@ class BlockPool:
 
     def __repr__(self) -> str:
         s = self.stats()
-        return f"BlockPool(num_blocks={s.num_blocks}, block_size={s.block_size}, used={s.num_used})"
+        kv = "" if self.kv_dtype == "auto" else f", kv_dtype={self.kv_dtype!r}"
+        return f"BlockPool(num_blocks={s.num_blocks}, block_size={s.block_size}, used={s.num_used}{kv})"
 
 
 _pools: weakref.WeakKeyDictionary[torch.nn.Module, BlockPool] = weakref.WeakKeyDictionary()
@@ -338,7 +375,7 @@ def _check_fits(model: torch.nn.Module, num_blocks: int, block_size: int, kv_sha
 
 
 def _size_pool(model: torch.nn.Module, config: PagedCacheConfig, layout: KVLayout) -> tuple[int, int, KVShape]:
-    kv_shape = KVShape.from_model(model, layout.lanes_per_block)
+    kv_shape = KVShape.from_model(model, layout.lanes_per_block, config.resolved_kv_dtype)
     block_size = config.resolved_block_size
     if config.num_blocks is not None:
         _check_fits(model, config.num_blocks, block_size, kv_shape, f"num_blocks={config.num_blocks}")
@@ -356,6 +393,8 @@ def _size_pool(model: torch.nn.Module, config: PagedCacheConfig, layout: KVLayou
 
 def _pool_matches(pool: BlockPool, config: PagedCacheConfig, num_blocks: int, block_size: int) -> bool:
     if config.block_size is not None and pool.block_size != block_size:
+        return False
+    if config.kv_dtype is not None and pool.kv_dtype != config.kv_dtype:
         return False
     explicit_size = config.num_blocks is not None or config.max_memory is not None
     return not explicit_size or pool.num_blocks == num_blocks
@@ -396,17 +435,19 @@ def get_pool(model: torch.nn.Module, **cache_config) -> BlockPool:
             return pool
         if pool is not None and pool.allocator.num_used:
             raise ValueError(
-                f"the model's KV pool has block_size={pool.block_size}, num_blocks={pool.num_blocks} and "
-                f"{pool.allocator.num_used} blocks in use; it cannot be rebuilt as block_size={block_size}, "
-                f"num_blocks={num_blocks} until every PagedCache using it is released"
+                f"the model's KV pool has block_size={pool.block_size}, num_blocks={pool.num_blocks}, "
+                f"kv_dtype={pool.kv_dtype!r} and {pool.allocator.num_used} blocks in use; it cannot be rebuilt as "
+                f"block_size={block_size}, num_blocks={num_blocks}, kv_dtype={kv_shape.kv_dtype!r} until every "
+                "PagedCache using it is released"
             )
         pool = BlockPool(num_blocks, block_size, kv_shape, layout)
         pool.follow_model_dtype(model)  # records what its K/V will be computed in
         logger.info(
-            "hf_paged: pool of %d blocks x %d tokens (%.1f MiB of KV, %d layer group(s), %d KV heads) for %s%s",
+            "hf_paged: pool of %d blocks x %d tokens (%.1f MiB of %s KV, %d layer group(s), %d KV heads) for %s%s",
             num_blocks,
             block_size,
             num_blocks * block_size * kv_shape.bytes_per_block_token / 2**20,
+            kv_shape.kv_dtype,
             layout.num_groups,
             kv_shape.kv_heads_local,
             type(model).__name__,

@@ -7,6 +7,7 @@ import threading
 import torch
 
 from .allocator import BlockCopy
+from .kv_format import FORMATS, SCALE_DTYPE, KVFormat, QuantizedPages
 
 
 class KVStorage:
@@ -24,6 +25,10 @@ class KVStorage:
         num_blocks (`int`): blocks per lane.
         block_size (`int`): tokens per block.
         layer_lanes (`tuple[int, ...]`, *optional*): the lane of every layer (default: layer `l` uses lane `l`).
+        kv_format (`KVFormat`, *optional*): how tokens are stored (default: in the dtype the model produces them
+            in). A quantized format keeps int8 (or packed int4) codes `[num_blocks, block_size, num_kv_heads,
+            code_dim]` in `keys`/`values` and a bfloat16 scale per token and head in `key_scales`/`value_scales`
+            (see `hf_paged.kv_format`); reads dequantize into the dtype the model produced.
 
     Example:
 
@@ -39,26 +44,38 @@ class KVStorage:
     ```
     """
 
-    def __init__(self, num_blocks: int, block_size: int, layer_lanes: tuple[int, ...] | None = None):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        layer_lanes: tuple[int, ...] | None = None,
+        kv_format: KVFormat | None = None,
+    ):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.layer_lanes = layer_lanes
-        self.keys: dict[int, torch.Tensor] = {}  # by lane
+        self.format = kv_format or FORMATS["auto"]
+        self.keys: dict[int, torch.Tensor] = {}  # by lane: K/V, or their codes in a quantized format
         self.values: dict[int, torch.Tensor] = {}
+        self.key_scales: dict[int, torch.Tensor] = {}  # by lane, quantized formats only: [blocks, block_size, heads]
+        self.value_scales: dict[int, torch.Tensor] = {}
+        self.lane_kv: dict[int, tuple[int, int, torch.dtype]] = {}  # by lane: (num_kv_heads, head_dim, dtype)
         self._lock = threading.Lock()
 
     def clear(self) -> None:
         """Drop every lane's tensors (each is allocated again on its next write)."""
         with self._lock:
-            self.keys.clear()
-            self.values.clear()
+            for tensors in (self.keys, self.values, self.key_scales, self.value_scales, self.lane_kv):
+                tensors.clear()
 
     def lane_of(self, layer_idx: int) -> int:
         return layer_idx if self.layer_lanes is None else self.layer_lanes[layer_idx]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
+        """Bytes of every allocated lane, scales included."""
+        tensors = (self.keys, self.values, self.key_scales, self.value_scales)
+        return sum(t.numel() * t.element_size() for lanes in tensors for t in lanes.values())
 
     def has_layer(self, layer_idx: int) -> bool:
         """Whether `layer_idx`'s tensors are allocated (its first K/V was written)."""
@@ -77,36 +94,49 @@ class KVStorage:
                 "blocks of one shape"
             )
         lane = self.lane_of(layer_idx)
-        existing = self.keys.get(lane)
-        if existing is None:
+        if lane not in self.keys:
+            self.format.check_head_dim(head_dim, f"layer {layer_idx}")
             with self._lock:
                 if lane not in self.keys:
-                    shape = (self.num_blocks, self.block_size, num_heads, head_dim)
-                    # empty, not zeros: pages are touched only as blocks are used, and reads only ever name slots
-                    # that were written (pad positions name the row's first real slot)
-                    with torch.inference_mode(False):  # normal tensors: written in and out of inference mode
-                        self.keys[lane] = torch.empty(shape, dtype=dtype, device=like.device)
-                        self.values[lane] = torch.empty(shape, dtype=dtype, device=like.device)
+                    self._allocate(lane, num_heads, head_dim, dtype, like.device)
             return
-        if existing.shape[2:] != (num_heads, head_dim) and lane != layer_idx:
+        existing_heads, existing_dim, existing_dtype = self.lane_kv[lane]
+        existing_device = self.keys[lane].device
+        if (existing_heads, existing_dim) != (num_heads, head_dim) and lane != layer_idx:
             raise NotImplementedError(
                 f"layer {layer_idx} produced K/V of {num_heads} heads x {head_dim} dims, but lane {lane}, which it "
-                f"shares with a layer of another layer group, holds {existing.shape[2]} x {existing.shape[3]}: the "
+                f"shares with a layer of another layer group, holds {existing_heads} x {existing_dim}: the "
                 "pool needs the layers of every layer group (full and sliding attention) to have K/V of one shape"
             )
-        if existing.shape[2:] != (num_heads, head_dim) or existing.device != like.device:
-            raise self._mismatch(layer_idx, existing, like)
+        if (existing_heads, existing_dim) != (num_heads, head_dim) or existing_device != like.device:
+            raise self._mismatch(layer_idx, like)
         for produced in (like, values_like):
-            if produced is not None and not _accepts(existing.dtype, produced):
-                raise self._mismatch(layer_idx, existing, produced)
+            if produced is not None and not _accepts(existing_dtype, produced):
+                raise self._mismatch(layer_idx, produced)
 
-    def _mismatch(self, layer_idx: int, existing: torch.Tensor, like: torch.Tensor) -> ValueError:
+    def _allocate(self, lane: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        shape = (self.num_blocks, self.block_size, num_heads)
+        # empty, not zeros: pages are touched only as blocks are used, and reads only ever name slots that were
+        # written (pad positions name the row's first real slot)
+        with torch.inference_mode(False):  # normal tensors: written in and out of inference mode
+            if self.format.quantized:
+                code_shape = (*shape, self.format.code_dim(head_dim))
+                for codes, scales in ((self.keys, self.key_scales), (self.values, self.value_scales)):
+                    codes[lane] = torch.empty(code_shape, dtype=self.format.code_dtype, device=device)
+                    scales[lane] = torch.empty(shape, dtype=SCALE_DTYPE, device=device)
+            else:
+                self.keys[lane] = torch.empty((*shape, head_dim), dtype=dtype, device=device)
+                self.values[lane] = torch.empty((*shape, head_dim), dtype=dtype, device=device)
+        self.lane_kv[lane] = (num_heads, head_dim, dtype)
+
+    def _mismatch(self, layer_idx: int, like: torch.Tensor) -> ValueError:
         lane = self.lane_of(layer_idx)
         shared = "" if lane == layer_idx else f" (lane {lane}, shared with other layer groups)"
         num_heads, head_dim = like.shape[-2], like.shape[-1]
+        existing_heads, existing_dim, existing_dtype = self.lane_kv[lane]
         return ValueError(
-            f"layer {layer_idx}{shared} of the KV pool holds {existing.shape[2]} heads x {existing.shape[3]} "
-            f"dims of {existing.dtype} on {existing.device}, but the model produced {num_heads} heads x "
+            f"layer {layer_idx}{shared} of the KV pool holds {existing_heads} heads x {existing_dim} "
+            f"dims of {existing_dtype} on {self.keys[lane].device}, but the model produced {num_heads} heads x "
             f"{head_dim} dims of {like.dtype} on {like.device}. A pool serves one model in one dtype: release the "
             "caches that hold blocks (an idle pool follows a dtype change by itself), or call "
             "hf_paged.release_pool(model) after moving the model to another device."
@@ -116,14 +146,21 @@ class KVStorage:
         """Store tokens `keys[i]`, `values[i]` (each `[num_tokens, num_kv_heads, head_dim]`) into `slots[i]`. Under
         `torch.autocast` a dtype the storage holds exactly (bfloat16 in float32) is converted (autocast converts what
         the attention reads back); any other dtype is refused (`ValueError`)."""
-        if self.lane_of(layer_idx) not in self.keys:
+        lane = self.lane_of(layer_idx)
+        if lane not in self.keys:
             self.ensure_layer(layer_idx, keys, values)
-        flat_keys, flat_values = self._flat(layer_idx)
-        if keys.dtype != flat_keys.dtype or values.dtype != flat_values.dtype:
+        dtype = self.lane_kv[lane][2]
+        if keys.dtype != dtype or values.dtype != dtype:
             self.ensure_layer(layer_idx, keys, values)  # raises unless both convert exactly
-            keys, values = keys.to(flat_keys.dtype), values.to(flat_values.dtype)
-        flat_keys.index_copy_(0, slots, keys)
-        flat_values.index_copy_(0, slots, values)
+            keys, values = keys.to(dtype), values.to(dtype)
+        if not self.format.quantized:
+            self.keys[lane].view(-1, *keys.shape[1:]).index_copy_(0, slots, keys)
+            self.values[lane].view(-1, *values.shape[1:]).index_copy_(0, slots, values)
+            return
+        for tensor, codes, scales in ((keys, self.keys, self.key_scales), (values, self.values, self.value_scales)):
+            new_codes, new_scales = self.format.quantize(tensor)  # each token on its own: written once
+            codes[lane].view(-1, *new_codes.shape[1:]).index_copy_(0, slots, new_codes)
+            scales[lane].view(-1, new_scales.shape[1]).index_copy_(0, slots, new_scales)
 
     def gather(
         self, layer_idx: int, slot_map: torch.Tensor, head_index: torch.Tensor | None = None
@@ -131,14 +168,17 @@ class KVStorage:
         """K and V of the slots in `slot_map` (`[batch, length]`) as contiguous `[batch, num_kv_heads, length,
         head_dim]` tensors, read head by head (`head_index = head_rows(slot_map, num_kv_heads)` may be passed in when
         several layers share it)."""
-        keys, values = self.layer_tensors(layer_idx)
-        num_heads, head_dim = keys.shape[2], keys.shape[3]
+        lane = self.lane_of(layer_idx)
+        num_heads, head_dim, dtype = self.lane_kv[lane]
         if head_index is None:
             head_index = head_rows(slot_map, num_heads)
         batch, length = slot_map.shape
         out = []
-        for tensor in (keys, values):
-            out.append(tensor.view(-1, head_dim).index_select(0, head_index).view(batch, num_heads, length, head_dim))
+        for codes, scales in ((self.keys, self.key_scales), (self.values, self.value_scales)):
+            rows = codes[lane].view(-1, codes[lane].shape[-1]).index_select(0, head_index)
+            if self.format.quantized:
+                rows = self.format.dequantize(rows, scales[lane].view(-1).index_select(0, head_index), dtype)
+            out.append(rows.view(batch, num_heads, length, head_dim))
         return out[0], out[1]
 
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
@@ -148,24 +188,29 @@ class KVStorage:
         for lane, keys in self.keys.items():
             src = torch.tensor([c.src for c in copies], device=keys.device)
             dst = torch.tensor([c.dst for c in copies], device=keys.device)
-            keys.index_copy_(0, dst, keys.index_select(0, src))
-            values = self.values[lane]
-            values.index_copy_(0, dst, values.index_select(0, src))
+            for tensors in (self.keys, self.values, self.key_scales, self.value_scales):
+                if lane in tensors:  # codes and their scales travel together
+                    tensors[lane].index_copy_(0, dst, tensors[lane].index_select(0, src))
 
-    def layer_tensors(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K and V tensors holding `layer_idx`."""
+    def layer_tensors(
+        self, layer_idx: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[QuantizedPages, QuantizedPages]:
+        """The K and V blocks holding `layer_idx`: tensors `[num_blocks, block_size, num_kv_heads, head_dim]`, or in a
+        quantized format `QuantizedPages` (codes and scales) that look like them."""
         lane = self.lane_of(layer_idx)
-        return self.keys[lane], self.values[lane]
+        if not self.format.quantized:
+            return self.keys[lane], self.values[lane]
+        dtype = self.lane_kv[lane][2]
+        return (
+            QuantizedPages(self.format, self.keys[lane], self.key_scales[lane], dtype),
+            QuantizedPages(self.format, self.values[lane], self.value_scales[lane], dtype),
+        )
 
     def device_of(self, layer_idx: int) -> torch.device:
         return self.keys[self.lane_of(layer_idx)].device
 
     def num_heads(self, layer_idx: int) -> int:
         return self.keys[self.lane_of(layer_idx)].shape[2]
-
-    def _flat(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self.layer_tensors(layer_idx)
-        return keys.view(-1, *keys.shape[2:]), values.view(-1, *values.shape[2:])
 
 
 def head_rows(slot_map: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -67,9 +67,7 @@ class RankState:
     @classmethod
     def of(cls, rank: int, engine: Engine) -> RankState:
         stats = engine.pool.stats()
-        shape = engine.pool.kv_shape
-        block_bytes = 0 if shape is None else shape.bytes_per_block_token * stats.block_size
-        return cls(rank, stats, stats.num_used * block_bytes, stats.num_blocks * block_bytes)
+        return cls(rank, stats, stats.kv_bytes_used or 0, stats.kv_bytes_total or 0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,7 +60,8 @@ class Engine:
             a request picks one with `add_request(..., adapter=name)`.
         max_adapters (`int`): most LoRA adapters resident at once.
         max_rank (`int`): the largest LoRA rank accepted.
-        **cache_config: pool options (`block_size`, `num_blocks`, `max_memory`, `prefix_caching`, ...), or
+        **cache_config: pool options (`block_size`, `num_blocks`, `max_memory`, `prefix_caching`, `kernel`,
+            `kv_dtype` (`"int8"`, `"int4"`: quantized pages), ...), or
             `cache_config=` a dict or `PagedCacheConfig` of them, as `generate` takes it.
 
     Example:

@@ -8,13 +8,15 @@ from pathlib import Path
 
 import torch
 
+from ..kv_format import QuantizedPages
 from .build import load_library
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+KV_FORMATS = {None: 0, 8: 1, 4: 2}  # stored in the query's dtype; int8 codes; int4 codes (by bits)
 QUERY_TILE = 16  # queries of one row an item attends for at a time
 MIN_SPLIT_KEYS = 512  # a small batch splits a row's keys over the threads, at least this many keys a split
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 
 class _Params(ctypes.Structure):
@@ -22,6 +24,8 @@ class _Params(ctypes.Structure):
         ("query", ctypes.c_void_p),
         ("key_cache", ctypes.c_void_p),
         ("value_cache", ctypes.c_void_p),
+        ("key_scales", ctypes.c_void_p),
+        ("value_scales", ctypes.c_void_p),
         ("out", ctypes.c_void_p),
         ("block_tables", ctypes.c_void_p),
         ("seq_lens", ctypes.c_void_p),
@@ -35,6 +39,9 @@ class _Params(ctypes.Structure):
         ("kv_stride_block", ctypes.c_int64),
         ("kv_stride_token", ctypes.c_int64),
         ("kv_stride_head", ctypes.c_int64),
+        ("scale_stride_block", ctypes.c_int64),
+        ("scale_stride_token", ctypes.c_int64),
+        ("scale_stride_head", ctypes.c_int64),
         ("num_rows", ctypes.c_int32),
         ("num_q_heads", ctypes.c_int32),
         ("num_kv_heads", ctypes.c_int32),
@@ -57,7 +64,7 @@ def library() -> ctypes.CDLL:
     global _library
     if _library is None:
         lib = load_library(SOURCE)
-        lib.hf_paged_attention.argtypes = [ctypes.POINTER(_Params), ctypes.c_int]
+        lib.hf_paged_attention.argtypes = [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_int]
         lib.hf_paged_attention.restype = ctypes.c_int
         lib.hf_paged_abi_version.restype = ctypes.c_int
         if lib.hf_paged_abi_version() != ABI_VERSION:
@@ -66,15 +73,17 @@ def library() -> ctypes.CDLL:
     return _library
 
 
-def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """Whether this backend can run a call on these tensors."""
+def supports(query: torch.Tensor, key_cache: torch.Tensor | QuantizedPages) -> bool:
+    """Whether this backend can run a call on these tensors (blocks in the query's dtype, or quantized pages read
+    back in it)."""
+    stored = key_cache.codes if isinstance(key_cache, QuantizedPages) else key_cache
     return (
         query.device.type == "cpu"
-        and key_cache.device.type == "cpu"
+        and stored.device.type == "cpu"
         and query.dtype == key_cache.dtype
         and query.dtype in DTYPES
         and query.stride(-1) == 1
-        and key_cache.stride(-1) == 1
+        and stored.stride(-1) == 1
     )
 
 
@@ -99,13 +108,22 @@ def attention(
     block_tables, seq_lens, query_start = _int32(block_tables), _int32(seq_lens), _int32(query_start)
     if sinks is not None:
         sinks = sinks.detach().to(torch.float32).contiguous()
+    key_scales = value_scales = None
+    bits = None
+    if isinstance(key_cache, QuantizedPages):
+        bits = key_cache.format.bits
+        key_cache, key_scales = key_cache.codes, key_cache.scales.contiguous()
+        value_cache, value_scales = value_cache.codes, value_cache.scales.contiguous()
     if value_cache.stride() != key_cache.stride() or value_cache.shape != key_cache.shape:
         value_cache = value_cache.contiguous()
         key_cache = key_cache.contiguous()
+    scale_strides = key_scales.stride() if key_scales is not None else (0, 0, 0)
     params = _Params(
         query=query.data_ptr(),
         key_cache=key_cache.data_ptr(),
         value_cache=value_cache.data_ptr(),
+        key_scales=None if key_scales is None else key_scales.data_ptr(),
+        value_scales=None if value_scales is None else value_scales.data_ptr(),
         out=out.data_ptr(),
         block_tables=block_tables.data_ptr(),
         seq_lens=seq_lens.data_ptr(),
@@ -119,6 +137,9 @@ def attention(
         kv_stride_block=key_cache.stride(0),
         kv_stride_token=key_cache.stride(1),
         kv_stride_head=key_cache.stride(2),
+        scale_stride_block=scale_strides[0],
+        scale_stride_token=scale_strides[1],
+        scale_stride_head=scale_strides[2],
         num_rows=seq_lens.numel(),
         num_q_heads=num_q_heads,
         num_kv_heads=key_cache.shape[2],
@@ -131,7 +152,7 @@ def attention(
         query_tile=QUERY_TILE,
         min_split_keys=MIN_SPLIT_KEYS,
     )
-    status = lib.hf_paged_attention(ctypes.byref(params), DTYPES[query.dtype])
+    status = lib.hf_paged_attention(ctypes.byref(params), DTYPES[query.dtype], KV_FORMATS[bits])
     if status != 0:
         raise RuntimeError(f"the CPU paged-attention kernel refused its arguments (status {status})")
     return out

@@ -24,6 +24,8 @@ import functools
 
 import torch
 
+from ..kv_format import QuantizedPages
+
 BLOCK_MULTIPLE = 256  # flash-attn 2: page_block_size must be a multiple of 256
 DTYPES = (torch.float16, torch.bfloat16)
 INSTALL_HINT = "pip install 'hf_paged[flash]'"
@@ -51,7 +53,8 @@ def accepts_block_size(block_size: int) -> bool:
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """Whether this backend can run a call on these tensors."""
     return (
-        available()
+        not isinstance(key_cache, QuantizedPages)  # quantized pages: the CPU kernel and gather read them
+        and available()
         and query.device.type == "cuda"
         and key_cache.device == query.device
         and query.dtype == key_cache.dtype

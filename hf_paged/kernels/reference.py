@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kv_format import QuantizedPages
+
 
 def repeat_kv(hidden: torch.Tensor, n_rep: int) -> torch.Tensor:
     """`[B, H_kv, L, D]` -> `[B, H_kv * n_rep, L, D]`, each KV head repeated for its query group."""
@@ -71,6 +73,14 @@ def eager_paged_attention(
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
 
 
+def read_slots(cache: torch.Tensor | QuantizedPages, slots: torch.Tensor) -> torch.Tensor:
+    """The K (or V) of `slots` (any shape) of a layer's blocks, `[*slots.shape, kv_heads, head_dim]`; quantized
+    blocks are dequantized (in fp32, then the model's dtype)."""
+    if isinstance(cache, QuantizedPages):
+        return cache.format.dequantize(cache.codes.flatten(0, 1)[slots], cache.scales.flatten(0, 1)[slots], cache.dtype)
+    return cache.flatten(0, 1)[slots]
+
+
 def gather_paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -96,8 +106,8 @@ def gather_paged_attention(
     columns = (positions // block_size).clamp(max=block_tables.shape[1] - 1)
     blocks = block_tables.to(device=device, dtype=torch.long).index_select(1, columns)
     slots = blocks * block_size + positions % block_size  # [rows, max_len]
-    keys = key_cache.flatten(0, 1)[slots].transpose(1, 2)  # [rows, kv_heads, max_len, head_dim]
-    values = value_cache.flatten(0, 1)[slots].transpose(1, 2)
+    keys = read_slots(key_cache, slots).transpose(1, 2)  # [rows, kv_heads, max_len, head_dim]
+    values = read_slots(value_cache, slots).transpose(1, 2)
     query_slots = torch.arange(max_queries, device=device)
     last = torch.minimum(query_slots[None, :], (counts - 1)[:, None])
     per_row = query[query_start[:-1, None] + last].transpose(1, 2)  # [rows, q_heads, max_queries, head_dim]

@@ -23,6 +23,8 @@ import os
 
 import torch
 
+from ..kv_format import QuantizedPages
+
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TILE_N = 16  # keys per inner step
 INSTALL_HINT = "pip install 'hf_paged[triton]'"
@@ -52,7 +54,8 @@ def runs_on(device: torch.device | str) -> bool:
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """Whether this backend can run a call on these tensors."""
     return (
-        available()
+        not isinstance(key_cache, QuantizedPages)  # quantized pages: the CPU kernel and gather read them
+        and available()
         and runs_on(query.device)
         and key_cache.device == query.device
         and query.dtype == key_cache.dtype

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..config import parse_memory
 from ..kernels import KERNELS
+from ..kv_format import KV_DTYPES, kv_format
 
 logger = logging.getLogger("hf_paged.serve")
 
@@ -42,6 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="paged-attention backend: auto (default: read the blocks in place where this device has a kernel), "
         "gather (copy K/V out of the blocks, then SDPA), or a named backend",
+    )
+    serve.add_argument(
+        "--kv-dtype",
+        choices=KV_DTYPES,
+        default=None,
+        help="how the pool stores K/V: auto (default: the model's dtype), int8 or int4 (quantized pages, a bfloat16 "
+        "scale per token and head: about 0.52x and 0.27x the bytes of bfloat16 pages)",
     )
     size = serve.add_mutually_exclusive_group()
     size.add_argument("--num-blocks", type=_positive, help="KV blocks in the pool")
@@ -232,8 +240,14 @@ def check_serve_args(args) -> None:
     if args.device is not None:
         _check_device(args.device)
     config = _check_model_path(args.model_path, args.gguf_file)
-    if args.max_memory is not None and config is not None:
-        _check_memory(args.max_memory, args.block_size, args.dtype, config)
+    dims = None if config is None else _kv_dims(config)
+    if args.kv_dtype is not None and dims is not None:
+        try:
+            kv_format(args.kv_dtype).check_head_dim(dims[2], f"model {args.model_path!r}")
+        except ValueError as error:
+            raise UsageError(f"--kv-dtype {args.kv_dtype}: {error}") from None
+    if args.max_memory is not None and dims is not None:
+        _check_memory(args.max_memory, args.block_size, args.dtype, dims, args.kv_dtype or "auto")
 
 
 def _check_device(name: str) -> None:
@@ -283,9 +297,9 @@ def _check_model_path(path: str, gguf_file: str | None) -> dict | None:
         raise UsageError(f"model folder {path!r}: its config.json cannot be read: {error}") from None
 
 
-def _check_memory(max_memory: str, block_size: int, dtype: str, config: dict) -> None:
-    """Refuse a `--max-memory` below one block of K and V in every layer (a lower bound of the pool's own
-    figure: 2-byte values unless `--dtype float32`)."""
+def _kv_dims(config: dict) -> tuple[int, int, int] | None:
+    """`(layers, KV heads, head dim)` of a model's config.json (`None` for an unusual config: the pool says what it
+    needs when it is sized)."""
     text = config.get("text_config") or config
     try:
         layers = int(text["num_hidden_layers"])
@@ -293,14 +307,27 @@ def _check_memory(max_memory: str, block_size: int, dtype: str, config: dict) ->
         kv_heads = int(text.get("num_key_value_heads") or heads)
         head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
-        return  # an unusual config: the pool says it when it is sized
-    block_bytes = 2 * layers * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 2) * block_size
+        return None
+    return layers, kv_heads, head_dim
+
+
+def _check_memory(max_memory: str, block_size: int, dtype: str, dims: tuple[int, int, int], kv_dtype: str) -> None:
+    """Refuse a `--max-memory` below one block of K and V in every layer (a lower bound of the pool's own
+    figure: 2-byte values unless `--dtype float32`; quantized pages: their codes and scales)."""
+    layers, kv_heads, head_dim = dims
+    fmt = kv_format(kv_dtype)
+    if fmt.quantized:
+        head_bytes = fmt.bytes_per_head(head_dim, None)
+        per_head = f"({head_dim} x {fmt.bits} bits + a 2-byte scale) bytes"
+    else:
+        head_bytes = head_dim * _DTYPE_BYTES.get(dtype, 2)
+        per_head = f"{head_dim} x {_DTYPE_BYTES.get(dtype, 2)} bytes"
+    block_bytes = 2 * layers * kv_heads * head_bytes * block_size
     budget = _size(max_memory)
     if budget < block_bytes:
         raise UsageError(
             f"--max-memory {max_memory} ({budget} bytes) is less than one KV block of this model: {block_size} "
-            f"tokens x {layers} layers x K and V x {kv_heads} KV heads x {head_dim} x "
-            f"{_DTYPE_BYTES.get(dtype, 2)} bytes = {block_bytes} bytes"
+            f"tokens x {layers} layers x K and V x {kv_heads} KV heads x {per_head} = {block_bytes} bytes"
         )
 
 
@@ -365,6 +392,8 @@ def serve(args) -> None:
     pool_options = {"block_size": args.block_size}
     if args.kernel is not None:
         pool_options["kernel"] = args.kernel
+    if args.kv_dtype is not None:
+        pool_options["kv_dtype"] = args.kv_dtype
     if args.num_blocks is not None:
         pool_options["num_blocks"] = args.num_blocks
     if args.max_memory is not None:

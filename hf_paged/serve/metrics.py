@@ -34,6 +34,7 @@ _SAMPLES = (  # name, kind, help
     ("hf_paged_positions_computed_total", "counter", "Positions the model's forwards computed (tokens and pads)"),
     ("hf_paged_pad_positions_total", "counter", "Pad positions among them (0 for packed steps)"),
     ("hf_paged_attention_kernel_info", "gauge", "The paged-attention backend in use (label kernel), always 1"),
+    ("hf_paged_kv_dtype_info", "gauge", "How the pool stores K/V (label kv_dtype: auto, int8, int4), always 1"),
     ("hf_paged_attention_calls_total", "counter", "Attention calls (per layer and step) by the backend that ran them"),
     ("hf_paged_tp_world_size", "gauge", "Tensor-parallel ranks serving the model (1: one process)"),
     ("hf_paged_rank_kv_blocks_used", "gauge", "KV blocks in use in each rank's pool"),
@@ -105,6 +106,7 @@ class MetricsSnapshot:
         cache = getattr(engine, "cache", None)
         if cache is not None:
             values[f'hf_paged_attention_kernel_info{{kernel="{cache.kernel.backend}"}}'] = 1
+            values[f'hf_paged_kv_dtype_info{{kv_dtype="{engine.pool.kv_dtype}"}}'] = 1
             for backend, calls in cache.attention_calls.items():
                 values[f'hf_paged_attention_calls_total{{kernel="{backend}"}}'] = calls
         states = getattr(engine, "rank_states", None) or [RankState.of(0, engine)]  # a DistributedEngine's ranks
@@ -127,9 +129,10 @@ class MetricsSnapshot:
 def render_metrics(snapshot: MetricsSnapshot) -> str:
     """Prometheus exposition text of `snapshot`: KV blocks used/free, usage and waste, prefix hit rate, preemptions,
     requests running/waiting, the server's request, token and step counters (steps by kind, positions computed and
-    pad positions among them), the attention kernel in use and its calls, each tensor-parallel rank's KV blocks and bytes (labelled `rank="0"`, ...; one
-    rank without tensor parallelism), and the latency histograms (time to first token, inter-token latency,
-    end-to-end latency, queue time: `_bucket{le="..."}`, `_sum`, `_count`).
+    pad positions among them), the attention kernel in use and its calls, the pool's K/V format, each
+    tensor-parallel rank's KV blocks and bytes (labelled `rank="0"`, ...; one rank without tensor parallelism), and
+    the latency histograms (time to first token, inter-token latency, end-to-end latency, queue time:
+    `_bucket{le="..."}`, `_sum`, `_count`).
 
     Example:
 

@@ -10,12 +10,17 @@
 // block of its range once, converted to fp32 (K transposed, so scores vectorise over the block's tokens), for all the
 // query heads of its KV head. Rows with few items (a small decode batch) split their keys; the splits are merged
 // with their log-sum-exp. Plain C ABI (called through ctypes): no torch headers, so it builds in about a second.
+//
+// Quantized pages (hf_paged.kv_format): K/V held as int8 codes, or int4 codes two a byte (low nibble first, stored
+// as code + 8), with a bfloat16 scale per token and KV head; a row is dequantized as code * scale in fp32 as it is
+// loaded, so nothing but the codes and scales is read.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -24,8 +29,10 @@ namespace {
 
 struct Params {
   const void* query;      // [tokens, q_heads, head_dim], head_dim contiguous
-  const void* key_cache;  // [blocks, block_size, kv_heads, head_dim], head_dim contiguous
+  const void* key_cache;  // [blocks, block_size, kv_heads, head_dim] (quantized: code bytes), last dim contiguous
   const void* value_cache;
+  const uint16_t* key_scales;    // quantized pages: bfloat16 [blocks, block_size, kv_heads]; else null
+  const uint16_t* value_scales;
   void* out;              // [tokens, q_heads, head_dim], head_dim contiguous
   const int32_t* block_tables;  // [rows, table_stride]
   const int32_t* seq_lens;      // [rows]
@@ -34,7 +41,8 @@ struct Params {
   int64_t table_stride;
   int64_t q_stride_token, q_stride_head;
   int64_t out_stride_token, out_stride_head;
-  int64_t kv_stride_block, kv_stride_token, kv_stride_head;
+  int64_t kv_stride_block, kv_stride_token, kv_stride_head;  // in elements of the stored type (codes: bytes)
+  int64_t scale_stride_block, scale_stride_token, scale_stride_head;
   int32_t num_rows, num_q_heads, num_kv_heads, head_dim, block_size;
   int32_t window;  // 0: no window
   float scale;
@@ -123,15 +131,55 @@ struct State {
   float max, sum;
 };
 
-// One key or value row as fp32: the row itself for fp32 storage, else converted into `buffer`.
-template <typename T>
-inline const float* row_as_float(const T* base, int64_t at, int D, float* buffer) {
-  for (int d = 0; d < D; ++d) buffer[d] = Scalar<T>::load(base, at + d);
+// Quantized storage types: int8 codes, and int4 codes two a byte.
+struct Q8 {
+  int8_t code;
+};
+struct Q4 {
+  uint8_t codes;
+};
+
+// One key or value row as fp32: the row itself for fp32 storage, else converted (or dequantized with its scale,
+// `scales[scale_at]`) into `buffer`.
+template <typename KV>
+inline const float* row_as_float(const KV* base, int64_t at, const uint16_t*, int64_t, int D, float* buffer) {
+  for (int d = 0; d < D; ++d) buffer[d] = Scalar<KV>::load(base, at + d);
   return buffer;
 }
 template <>
-inline const float* row_as_float<float>(const float* base, int64_t at, int, float*) {
+inline const float* row_as_float<float>(const float* base, int64_t at, const uint16_t*, int64_t, int, float*) {
   return base + at;
+}
+template <>
+inline const float* row_as_float<Q8>(const Q8* base, int64_t at, const uint16_t* scales, int64_t scale_at, int D,
+                                     float* buffer) {
+  const float scale = to_float(scales[scale_at], true);
+  const int8_t* codes = &base[at].code;
+#pragma omp simd
+  for (int d = 0; d < D; ++d) buffer[d] = static_cast<float>(codes[d]) * scale;
+  return buffer;
+}
+template <>
+inline const float* row_as_float<Q4>(const Q4* base, int64_t at, const uint16_t* scales, int64_t scale_at, int D,
+                                     float* buffer) {
+  const float scale = to_float(scales[scale_at], true);
+  const uint8_t* codes = &base[at].codes;
+#pragma omp simd
+  for (int i = 0; i < D / 2; ++i) {
+    buffer[2 * i] = static_cast<float>(static_cast<int>(codes[i] & 15u) - 8) * scale;
+    buffer[2 * i + 1] = static_cast<float>(static_cast<int>(codes[i] >> 4) - 8) * scale;
+  }
+  return buffer;
+}
+
+// Bytes of one stored row of D values.
+template <typename KV>
+constexpr int row_bytes(int D) {
+  return D * static_cast<int>(sizeof(KV));
+}
+template <>
+constexpr int row_bytes<Q4>(int D) {
+  return D / 2;
 }
 
 template <int HD>
@@ -150,8 +198,9 @@ inline void axpy(float* acc, float e, const float* v, int D) {
   for (int d = 0; d < n; ++d) acc[d] += e * v[d];
 }
 
-// Attend the queries of one item over its key range. HD: the head dim when known at compile time (0: p.head_dim).
-template <typename T, int HD>
+// Attend the queries of one item over its key range. T: the query's and output's type; KV: the stored K/V's (T,
+// or quantized codes). HD: the head dim when known at compile time (0: p.head_dim).
+template <typename T, typename KV, int HD>
 void run_item(const Params& p, const Item& item, size_t slot_stride, float* partial_m, float* partial_l,
               float* partial_acc) {
   const int D = HD > 0 ? HD : p.head_dim;
@@ -163,8 +212,8 @@ void run_item(const Params& p, const Item& item, size_t slot_stride, float* part
   const int32_t row_queries = p.query_start[item.row + 1] - row_start;
   const int32_t past = p.seq_lens[item.row] - row_queries;  // position of the row's first query
   const T* query = static_cast<const T*>(p.query);
-  const T* kc = static_cast<const T*>(p.key_cache);
-  const T* vc = static_cast<const T*>(p.value_cache);
+  const KV* kc = static_cast<const KV*>(p.key_cache);
+  const KV* vc = static_cast<const KV*>(p.value_cache);
   const int32_t* table = p.block_tables + item.row * p.table_stride;
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
@@ -197,15 +246,18 @@ void run_item(const Params& p, const Item& item, size_t slot_stride, float* part
     const int64_t block_base = static_cast<int64_t>(table[block]) * p.kv_stride_block +
                                static_cast<int64_t>(item.kv_head) * p.kv_stride_head +
                                static_cast<int64_t>(first - block * bs) * p.kv_stride_token;
+    const int64_t scale_base = static_cast<int64_t>(table[block]) * p.scale_stride_block +
+                               static_cast<int64_t>(item.kv_head) * p.scale_stride_head +
+                               static_cast<int64_t>(first - block * bs) * p.scale_stride_token;
     // ask for the next block's rows while this one is computed (blocks lie anywhere in the pool)
     if ((block + 1) * bs < item.k_end) {
       const int64_t next = static_cast<int64_t>(table[block + 1]) * p.kv_stride_block +
                            static_cast<int64_t>(item.kv_head) * p.kv_stride_head;
-      const int row_bytes = D * static_cast<int>(sizeof(T));
+      const int bytes = row_bytes<KV>(D);
       for (int j = 0; j < bs; ++j) {
         const char* k_row = reinterpret_cast<const char*>(kc + next + j * p.kv_stride_token);
         const char* v_row = reinterpret_cast<const char*>(vc + next + j * p.kv_stride_token);
-        for (int byte = 0; byte < row_bytes; byte += 64) {
+        for (int byte = 0; byte < bytes; byte += 64) {
           __builtin_prefetch(k_row + byte);
           __builtin_prefetch(v_row + byte);
         }
@@ -214,7 +266,8 @@ void run_item(const Params& p, const Item& item, size_t slot_stride, float* part
     // scores: every key row is read once and met by every query vector that sees it
     for (int j = 0; j < n; ++j) {
       const int32_t key = first + j;
-      const float* k = row_as_float(kc, block_base + j * p.kv_stride_token, D, k_buffer.data());
+      const float* k = row_as_float(kc, block_base + j * p.kv_stride_token, p.key_scales,
+                                    scale_base + j * p.scale_stride_token, D, k_buffer.data());
       for (int m = 0; m < M; ++m) {
         float* sm = &scores[static_cast<size_t>(m) * bs];
         if (key < lo[m] || key >= hi[m]) {
@@ -257,7 +310,8 @@ void run_item(const Params& p, const Item& item, size_t slot_stride, float* part
     }
     if (!any) continue;
     for (int j = 0; j < n; ++j) {
-      const float* v = row_as_float(vc, block_base + j * p.kv_stride_token, D, v_buffer.data());
+      const float* v = row_as_float(vc, block_base + j * p.kv_stride_token, p.value_scales,
+                                    scale_base + j * p.scale_stride_token, D, v_buffer.data());
       for (int m = 0; m < M; ++m) {
         const float e = scores[static_cast<size_t>(m) * bs + j];
         if (e != 0.0f) axpy<HD>(&acc[static_cast<size_t>(m) * D], e, v, D);
@@ -287,16 +341,16 @@ void run_item(const Params& p, const Item& item, size_t slot_stride, float* part
   }
 }
 
-template <typename T>
+template <typename T, typename KV>
 void run_item_any(const Params& p, const Item& item, size_t slot_stride, float* partial_m, float* partial_l,
                   float* partial_acc) {
   switch (p.head_dim) {
     case 64:
-      return run_item<T, 64>(p, item, slot_stride, partial_m, partial_l, partial_acc);
+      return run_item<T, KV, 64>(p, item, slot_stride, partial_m, partial_l, partial_acc);
     case 128:
-      return run_item<T, 128>(p, item, slot_stride, partial_m, partial_l, partial_acc);
+      return run_item<T, KV, 128>(p, item, slot_stride, partial_m, partial_l, partial_acc);
     default:
-      return run_item<T, 0>(p, item, slot_stride, partial_m, partial_l, partial_acc);
+      return run_item<T, KV, 0>(p, item, slot_stride, partial_m, partial_l, partial_acc);
   }
 }
 
@@ -330,9 +384,12 @@ void merge_splits(const Params& p, const Item& first, int num_splits, size_t slo
   }
 }
 
-template <typename T>
+template <typename T, typename KV>
 int run(const Params& p) {
   if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0 || p.block_size <= 0 || p.head_dim <= 0) return 1;
+  constexpr bool quantized = std::is_same<KV, Q8>::value || std::is_same<KV, Q4>::value;
+  if (quantized && (p.key_scales == nullptr || p.value_scales == nullptr)) return 3;
+  if (std::is_same<KV, Q4>::value && p.head_dim % 2 != 0) return 4;
   // a small call runs on the calling thread: waking a team costs more than its work
   int64_t work = 0;  // query vectors x keys
   for (int32_t r = 0; r < p.num_rows; ++r) {
@@ -390,7 +447,7 @@ int run(const Params& p) {
   const int64_t count = static_cast<int64_t>(items.size());
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && count > 1)
   for (int64_t i = 0; i < count; ++i) {
-    run_item_any<T>(p, items[i], per_slot, partial_m.data(), partial_l.data(), partial_acc.data());
+    run_item_any<T, KV>(p, items[i], per_slot, partial_m.data(), partial_l.data(), partial_acc.data());
   }
   const int64_t num_groups = static_cast<int64_t>(groups.size());
 #pragma omp parallel for num_threads(threads) if (threads > 1 && num_groups > 1)
@@ -405,19 +462,33 @@ int run(const Params& p) {
 
 extern "C" {
 
-// dtype: 0 float32, 1 bfloat16, 2 float16. Returns 0 on success.
-int hf_paged_attention(const Params* params, int dtype) {
-  switch (dtype) {
+// dtype (of the query and output): 0 float32, 1 bfloat16, 2 float16. kv_format: 0 K/V stored in dtype, 1 int8
+// codes, 2 int4 codes (with scales). Returns 0 on success.
+int hf_paged_attention(const Params* params, int dtype, int kv_format) {
+  if (kv_format < 0 || kv_format > 2) return 2;
+  switch (dtype * 3 + kv_format) {
     case 0:
-      return run<float>(*params);
+      return run<float, float>(*params);
     case 1:
-      return run<BF16>(*params);
+      return run<float, Q8>(*params);
     case 2:
-      return run<F16>(*params);
+      return run<float, Q4>(*params);
+    case 3:
+      return run<BF16, BF16>(*params);
+    case 4:
+      return run<BF16, Q8>(*params);
+    case 5:
+      return run<BF16, Q4>(*params);
+    case 6:
+      return run<F16, F16>(*params);
+    case 7:
+      return run<F16, Q8>(*params);
+    case 8:
+      return run<F16, Q4>(*params);
     default:
       return 2;
   }
 }
 
-int hf_paged_abi_version() { return 1; }
+int hf_paged_abi_version() { return 2; }
 }

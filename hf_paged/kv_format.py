@@ -1,0 +1,178 @@
+"""How the pool stores a token's K/V: in the model's dtype (`"auto"`), or quantized to 8 or 4 bits with a scale per
+token and KV head that lives in the block next to its codes.
+
+A quantized token is written once and never re-quantized: its scale depends on its own values only (absmax of the
+head's `head_dim` channels, symmetric), so a block being filled, copied on write or shared by prefix caching holds
+exactly the codes and scales written, and every reader (the gather reference, the CPU kernel) dequantizes the same
+values: `code * scale`, in fp32. Scales are bfloat16: 2 bytes a token and head, with the range of float32 (no
+vector is too small or too large to scale).
+
+| `kv_dtype` | codes              | bytes per token and head (head_dim 64) | vs bfloat16 | vs float32 |
+|------------|--------------------|----------------------------------------|-------------|------------|
+| `"auto"`   | the model's dtype  | 128 (bf16), 256 (fp32)                 | 1           | 0.5        |
+| `"int8"`   | int8, -127..127    | 64 + 2                                 | 0.516       | 0.258      |
+| `"int4"`   | two a byte, -7..7  | 32 + 2                                 | 0.266       | 0.133      |
+
+Example:
+
+```python
+>>> import torch
+>>> fmt = kv_format("int4")
+>>> x = torch.tensor([[[3.4, -7.0, 1.2, 0.0]]])              # 1 token, 1 head, head_dim 4
+>>> codes, scales = fmt.quantize(x)                             # scale: absmax / 7 = 1.0
+>>> codes.shape, codes.dtype, scales
+(torch.Size([1, 1, 2]), torch.uint8, tensor([[1.]], dtype=torch.bfloat16))
+>>> fmt.dequantize(codes, scales, torch.float32)
+tensor([[[ 3., -7.,  1.,  0.]]])
+
+```
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+KV_DTYPES = ("auto", "int8", "int4")
+SCALE_DTYPE = torch.bfloat16
+_SCALE_MAX = torch.finfo(SCALE_DTYPE).max
+
+
+def check_kv_dtype(name) -> str:
+    """`name` if it is one of `KV_DTYPES`, else a `ValueError` naming it and the choices."""
+    if not isinstance(name, str) or name not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {list(KV_DTYPES)}, got {name!r}")
+    return name
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """One way of storing K/V in the pool.
+
+    Attributes:
+        name (`str`): one of `KV_DTYPES`.
+        bits (`int`, *optional*): bits a value for quantized formats; `None` for `"auto"` (the model's dtype).
+    """
+
+    name: str
+    bits: int | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits is not None
+
+    @property
+    def max_code(self) -> int:
+        """The largest code magnitude (127 for 8 bits, 7 for 4 bits; symmetric, so 0 is exact)."""
+        return 2 ** (self.bits - 1) - 1
+
+    @property
+    def code_dtype(self) -> torch.dtype:
+        return torch.int8 if self.bits == 8 else torch.uint8
+
+    def code_dim(self, head_dim: int) -> int:
+        """Bytes of codes of one token's head."""
+        return head_dim * self.bits // 8
+
+    def bytes_per_head(self, head_dim: int, dtype: torch.dtype) -> int:
+        """What one token's K (or V) of one head costs, scale included."""
+        if not self.quantized:
+            return head_dim * torch.finfo(dtype).bits // 8
+        return self.code_dim(head_dim) + torch.finfo(SCALE_DTYPE).bits // 8
+
+    def check_head_dim(self, head_dim: int, where: str = "the model") -> None:
+        """Refuse a head dim this format cannot hold (4 bits packs two channels a byte: an even head dim)."""
+        if self.quantized and (head_dim * self.bits) % 8:
+            raise ValueError(
+                f"kv_dtype={self.name!r} packs {8 // self.bits} values a byte and needs an even head_dim, but "
+                f"{where} has head_dim={head_dim}; use kv_dtype='int8' or 'auto'"
+            )
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes `[..., code_dim]` and bfloat16 scales `[...]` of `x` (`[..., head_dim]`), each vector on its own."""
+        x = x.float()
+        absmax = x.abs().amax(dim=-1)
+        scales = (absmax / self.max_code).clamp(max=_SCALE_MAX).to(SCALE_DTYPE)
+        divisor = scales.float()
+        divisor = torch.where(divisor > 0, divisor, torch.ones_like(divisor))
+        codes = torch.round(x / divisor[..., None]).clamp_(-self.max_code, self.max_code)
+        if self.bits == 8:
+            return codes.to(torch.int8), scales
+        nibbles = (codes + 8).to(torch.uint8)  # 1..15, 8 is zero
+        return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4), scales
+
+    def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`[..., head_dim]` values of `codes` and `scales` in `dtype` (computed in fp32, as the kernels do)."""
+        if self.bits == 8:
+            values = codes.float()
+        else:
+            low = (codes & 15).to(torch.int16) - 8
+            high = (codes >> 4).to(torch.int16) - 8
+            values = torch.stack((low, high), dim=-1).flatten(-2).float()
+        return (values * scales.float()[..., None]).to(dtype)
+
+    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` as the pages give it back: quantized and dequantized (itself for `"auto"`)."""
+        if not self.quantized:
+            return x
+        return self.dequantize(*self.quantize(x), x.dtype)
+
+    def round_trip_bound(self, x: torch.Tensor) -> torch.Tensor:
+        """The largest error `dequantize(quantize(x))` may make on each vector of `x` (`[...]`): half a scale step,
+        plus the bfloat16 rounding of the scale itself."""
+        absmax = x.float().abs().amax(dim=-1)
+        return absmax / self.max_code * (0.5 + 2.0**-8) + 1e-12
+
+
+FORMATS = {"auto": KVFormat("auto"), "int8": KVFormat("int8", 8), "int4": KVFormat("int4", 4)}
+
+
+def kv_format(name: str | None) -> KVFormat:
+    """The `KVFormat` named `name` (`None`: `"auto"`)."""
+    return FORMATS[check_kv_dtype("auto" if name is None else name)]
+
+
+class QuantizedPages:
+    """One layer's K (or V) blocks in a quantized format, as the kernels read them: `codes` `[num_blocks,
+    block_size, num_kv_heads, code_dim]` and `scales` `[num_blocks, block_size, num_kv_heads]`. Looks like the
+    dense blocks it stands for where the kernels look: `shape` (`[..., head_dim]`), `dtype` (the dtype it is read
+    back in: the model's), `device`.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> fmt = kv_format("int8")
+    >>> codes, scales = fmt.quantize(torch.randn(4, 16, 2, 8))
+    >>> pages = QuantizedPages(fmt, codes, scales, torch.float32)
+    >>> pages.shape, pages.dequantize_blocks(torch.tensor([3])).shape
+    (torch.Size([4, 16, 2, 8]), torch.Size([1, 16, 2, 8]))
+
+    ```
+    """
+
+    def __init__(self, fmt: KVFormat, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype):
+        self.format = fmt
+        self.codes = codes
+        self.scales = scales
+        self.dtype = dtype
+        head_dim = codes.shape[-1] * 8 // fmt.bits
+        self.shape = torch.Size((*codes.shape[:-1], head_dim))
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def dequantize_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Blocks `blocks` (ids) read back as `[len(blocks), block_size, num_kv_heads, head_dim]` in `dtype`."""
+        return self.format.dequantize(
+            self.codes.index_select(0, blocks), self.scales.index_select(0, blocks), self.dtype
+        )
+
+    def dequantize(self) -> torch.Tensor:
+        """Every block read back (for tests and the reference)."""
+        return self.format.dequantize(self.codes, self.scales, self.dtype)
+
+    def __repr__(self) -> str:
+        return f"QuantizedPages({self.format.name}, shape={tuple(self.shape)}, dtype={self.dtype})"
