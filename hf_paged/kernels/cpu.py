@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..kv_format import QuantizedPages
+from ..kv_format import QuantizedPages, rotate
 from .build import load_library
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
@@ -100,7 +100,31 @@ def attention(
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`kernels.paged_attention` on the CPU, reading the blocks where they lie."""
+    """`kernels.paged_attention` on the CPU, reading the blocks where they lie. Pages stored rotated (`"int4"`, see
+    `hf_paged.kv_format`) are attended in their rotated space: the queries are rotated in, the output back out."""
+    if isinstance(key_cache, QuantizedPages) and key_cache.format.rotated:
+        rotated_query = rotate(query).to(query.dtype)
+        args = (key_cache, value_cache, block_tables, seq_lens, query_start, scale, window, softcap, sinks)
+        result = rotate(_attention(rotated_query, *args)).to(query.dtype)
+        return result if out is None else out.copy_(result)
+    return _attention(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start, scale, window, softcap, sinks, out
+    )
+
+
+def _attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor | QuantizedPages,
+    value_cache: torch.Tensor | QuantizedPages,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     lib = library()
     num_tokens, num_q_heads, head_dim = query.shape
     if out is None:
