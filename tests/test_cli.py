@@ -84,6 +84,11 @@ BAD_OPTIONS = {
     "not-a-device": (["--device", "gpu0"], "--device 'gpu0' is not a device"),
     "port": (["--port", "70000"], "argument --port: must be a port number in [0, 65535], got 70000"),
     "kernel": (["--kernel", "fast"], "argument --kernel: invalid choice: 'fast'"),
+    "kv-dtype": (["--kv-dtype", "fp4"], "argument --kv-dtype: invalid choice: 'fp4'"),
+    # int8 pages: 16 tokens x 2 layers x K and V x 2 KV heads x (16 + 2) bytes = 2,304 bytes
+    "max-memory-int8": (["--max-memory", "2KiB", "--kv-dtype", "int8"],
+                        "--max-memory 2KiB (2048 bytes) is less than one KV block of this model: 16 tokens x 2 layers "
+                        "x K and V x 2 KV heads x (16 x 8 bits + a 2-byte scale) bytes = 2304 bytes"),
     "log-level": (["--log-level", "loud"], "argument --log-level: must be one of critical, error, warning, info"),
 }  # fmt: skip
 
@@ -135,6 +140,15 @@ def test_a_model_path_that_holds_no_model_is_a_usage_error(model_folder, tmp_pat
     assert "--gguf-file model.gguf" in refused(["serve", str(tmp_path)], monkeypatch, capsys)  # no config.json
     assert "is a file" in refused(["serve", str(tmp_path / "model.gguf")], monkeypatch, capsys)
     assert "no such file" in refused(["serve", str(tmp_path), "--gguf-file", "other.gguf"], monkeypatch, capsys)
+
+
+def test_int4_pages_of_an_odd_head_dim_are_a_usage_error(tmp_path, monkeypatch, capsys):
+    from hf_paged.reference_models import tiny_model
+
+    tiny_model("gpt2", n_embd=36, n_head=4).config.save_pretrained(tmp_path)  # head_dim 9
+    message = refused(["serve", str(tmp_path), "--kv-dtype", "int4"], monkeypatch, capsys)
+    assert message.startswith("--kv-dtype int4: kv_dtype='int4' packs 2 values a byte and needs an even head_dim")
+    assert "head_dim=9" in message
 
 
 def test_the_help_states_the_batched_tokens_rule():

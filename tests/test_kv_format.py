@@ -311,6 +311,15 @@ def test_engine_packed_steps_equal_stock_per_prompt(kv_dtype):
         expected = generate_round_trip(model, kv_dtype, torch.tensor([prompt]), max_new_tokens=10, do_sample=False)
         assert output.token_ids == expected[0, len(prompt) :].tolist()
     assert engine.pool.stats().num_used == 0
+    from hf_paged.serve.metrics import MetricsSnapshot, render_metrics
+
+    totals = {"requests": 5, "prompt_tokens": 65, "generation_tokens": 50}
+    text = render_metrics(MetricsSnapshot.take(engine, totals, 0.0)).splitlines()
+    assert f'hf_paged_kv_dtype_info{{kv_dtype="{kv_dtype}"}} 1' in text
+    total = engine.pool.stats().kv_bytes_total  # codes and scales: the real bytes
+    assert total == engine.pool.storage.nbytes
+    reported = [line.split()[-1] for line in text if line.startswith('hf_paged_rank_kv_bytes_total{rank="0"}')]
+    assert [float(value) for value in reported] == [total]
 
 
 @pytest.mark.kernel_matrix

@@ -23,6 +23,7 @@ from hf_paged.pool import BlockPool, KVShape
 from hf_paged.reference_models import tiny_model
 from tests.conftest import left_padded_batch
 from tests.distributed_helpers import JOB_TIMEOUT_S, fail_on_rank_1, gloo_available, run_ranks
+from tests.quant_helpers import generate_round_trip
 
 pytestmark = pytest.mark.skipif(not gloo_available(), reason="needs torch.distributed with the gloo backend")
 
@@ -32,6 +33,7 @@ CACHE_CONFIG = {"block_size": 4, "max_memory": MAX_MEMORY}
 
 # family -> tiny_model options; Llama: 4 attention heads, 4 KV heads (2 per rank); Qwen2: 4 heads, 2 KV heads (1)
 FAMILIES = {"llama": {"num_key_value_heads": 4}, "qwen2": {}}
+QUANTIZED = ("int8", "int4")  # quantized pages, run on the Llama's greedy scenario
 # a model whose 3 KV heads 2 ranks cannot split
 UNEVEN = ("llama", {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3})
 
@@ -119,6 +121,13 @@ def rank_work(rank: int, folders: dict[str, str], uneven_folder: str) -> list[di
             "calls": per_call,
             "final": pool.stats(),
         }
+    model, greedy = load(folders["llama"]), scenarios()["greedy"][0][1]
+    results["quantized"] = {  # each KV head's vector is quantized on its own: the split changes nothing
+        kv_dtype: model.generate(
+            **greedy, cache_implementation="paged", cache_config={**CACHE_CONFIG, "kv_dtype": kv_dtype}, pad_token_id=0
+        )
+        for kv_dtype in QUANTIZED
+    }
     try:
         hf_paged.get_pool(load(uneven_folder))
         results["uneven_error"] = None
@@ -151,6 +160,16 @@ def load_single(folder: str):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(folder).eval()
+
+
+@pytest.mark.parametrize("kv_dtype", QUANTIZED)
+def test_quantized_pages_match_one_process_over_the_same_quantized_values(tp_job, kv_dtype):
+    folders, ranks, _, _ = tp_job
+    greedy = dict(scenarios()["greedy"][0][1])
+    model = load_single(folders["llama"])
+    expected = generate_round_trip(model, kv_dtype, greedy.pop("input_ids"), **greedy, pad_token_id=0)
+    for results in ranks:
+        assert torch.equal(results["quantized"][kv_dtype], expected)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

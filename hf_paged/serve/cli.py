@@ -301,12 +301,16 @@ def _kv_dims(config: dict) -> tuple[int, int, int] | None:
     """`(layers, KV heads, head dim)` of a model's config.json (`None` for an unusual config: the pool says what it
     needs when it is sized)."""
     text = config.get("text_config") or config
+
+    def read(*names):  # the usual name, then GPT-2's
+        return next(text[name] for name in names if name in text)
+
     try:
-        layers = int(text["num_hidden_layers"])
-        heads = int(text["num_attention_heads"])
+        layers = int(read("num_hidden_layers", "n_layer"))
+        heads = int(read("num_attention_heads", "n_head"))
         kv_heads = int(text.get("num_key_value_heads") or heads)
-        head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        head_dim = int(text.get("head_dim") or int(read("hidden_size", "n_embd")) // heads)
+    except (StopIteration, TypeError, ValueError, ZeroDivisionError):
         return None
     return layers, kv_heads, head_dim
 
