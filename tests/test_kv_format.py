@@ -126,6 +126,10 @@ def test_the_pool_counts_the_bytes_it_holds(kv_dtype):
     codes = pool.storage.keys[0]
     assert codes.dtype == FORMATS[kv_dtype].code_dtype and pool.storage.key_scales[0].dtype == torch.bfloat16
     assert "kv_dtype='" + kv_dtype in repr(pool)
+    from hf_paged.visual import render_pool_text
+
+    summary = render_pool_text(pool).splitlines()[0]  # the pictures count the same bytes
+    assert summary.endswith(f"0 B of {stats.kv_bytes_total / 2**10:.1f} KiB of {kv_dtype} K/V; blocks 0-63 shown")
 
 
 # ---------------------------------------------------------------------------------------------- kernels

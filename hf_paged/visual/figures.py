@@ -124,12 +124,7 @@ def plot_pool(
         x, y = block.block_id % columns, num_rows - 1 - block.block_id // columns
         _draw_block(ax, Rectangle, snapshot, block, x, y, colors, small)
     _frame(ax, span, num_rows)
-    num_used, num_evictable = snapshot.count(USED), snapshot.count(EVICTABLE)
-    free = f"{snapshot.num_blocks - num_used} free" + (f" ({num_evictable} of them cached)" if num_evictable else "")
-    summary = (
-        f"{snapshot.num_blocks} blocks x {snapshot.block_size} tokens: {num_used} used, {free}; "
-        f"blocks 0-{shown - 1} shown"
-    )
+    summary = snapshot.summary(shown)
     ax.set_title(summary if title is None else title, fontsize=10)
     handles = [Patch(facecolor=color, label=label) for color, label in zip(colors, snapshot.labels)]
     handles += _state_handles(Patch, snapshot, shown)

@@ -64,6 +64,9 @@ class PoolSnapshot:
         tables (`tuple[tuple[int | None, ...], ...]`): the physical block ids of each shown sequence, in logical
             order (`None`: a block its sliding window skipped, given back).
         num_tokens (`tuple[int, ...]`): tokens in each shown sequence.
+        kv_label (`str`, *optional*): how the pool stores K/V (`"float32"`, `"int8"`, ...), for a pool of a model.
+        block_bytes (`int`, *optional*): what one block costs in memory (quantization scales included), for a pool
+            of a model.
 
     Example:
 
@@ -84,10 +87,24 @@ class PoolSnapshot:
     labels: tuple[str, ...]
     tables: tuple[tuple[int | None, ...], ...]
     num_tokens: tuple[int, ...]
+    kv_label: str | None = None
+    block_bytes: int | None = None
 
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
+
+    def summary(self, shown: int) -> str:
+        """The one-line summary the pictures put above the pool: blocks, used, free (cached), memory when known."""
+        num_used, num_evictable = self.count(USED), self.count(EVICTABLE)
+        free = f"{self.num_blocks - num_used} free" + (f" ({num_evictable} of them cached)" if num_evictable else "")
+        memory = ""
+        if self.block_bytes is not None:
+            used, total = num_used * self.block_bytes, self.num_blocks * self.block_bytes
+            memory = f"; {_size(used)} of {_size(total)} of {self.kv_label} K/V"
+        return f"{self.num_blocks} blocks x {self.block_size} tokens: {num_used} used, {free}{memory}; " + (
+            f"blocks 0-{shown - 1} shown"
+        )
 
     def count(self, state: str) -> int:
         return sum(1 for block in self.blocks if block.state == state)
@@ -124,6 +141,7 @@ def pool_snapshot(source, tables=None) -> PoolSnapshot:
     ```
     """
     allocator, default_tables, default_prefix = _resolve_source(source)
+    kv_label, block_bytes = _memory_of(source)
     if tables is None:
         tables = default_tables
     if isinstance(tables, Mapping):
@@ -153,7 +171,27 @@ def pool_snapshot(source, tables=None) -> PoolSnapshot:
             labels=tuple(labels),
             tables=tuple(tuple(table.block_ids) for table in table_list),
             num_tokens=tuple(table.num_tokens for table in table_list),
+            kv_label=kv_label,
+            block_bytes=block_bytes,
         )
+
+
+def _memory_of(source) -> tuple[str | None, int | None]:
+    """`(kv_label, block_bytes)` of the pool behind `source` (`(None, None)` for an allocator or a pool without a
+    model)."""
+    pool = getattr(source, "pool", source)
+    stats = pool.stats() if isinstance(pool, BlockPool) else None
+    if stats is None or stats.block_bytes is None:
+        return None, None
+    label = stats.kv_dtype if stats.kv_dtype != "auto" else str(pool.kv_shape.dtype).removeprefix("torch.")
+    return label, stats.block_bytes
+
+
+def _size(num_bytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes} B"
 
 
 def _resolve_source(source) -> tuple[BlockAllocator, list[BlockTable], str]:

@@ -64,12 +64,7 @@ def render_pool_text(source, tables=None, *, columns: int = 64, max_blocks: int 
         )
     shown = shown_blocks(snapshot, columns, max_blocks)
     glyphs = _glyphs(snapshot.labels)
-    num_used, num_evictable = snapshot.count(USED), snapshot.count(EVICTABLE)
-    free = f"{snapshot.num_blocks - num_used} free" + (f" ({num_evictable} of them cached)" if num_evictable else "")
-    lines = [
-        f"{snapshot.num_blocks} blocks x {snapshot.block_size} tokens: {num_used} used, {free}; "
-        f"blocks 0-{shown - 1} shown"
-    ]
+    lines = [snapshot.summary(shown)]
     for start in range(0, shown, columns):
         row = "".join(_glyph(snapshot, glyphs, block) for block in snapshot.blocks[start : min(start + columns, shown)])
         lines.append(f"{start:>6} {row}")
