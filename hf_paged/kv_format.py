@@ -6,10 +6,12 @@ head's `head_dim` channels, symmetric), so a block being filled, copied on write
 exactly the codes and scales written, and every reader (the gather reference, the CPU kernel) dequantizes the same
 values: `code * scale`, in fp32.
 
-4 bits a value cannot hold a key's outlier channels next to its small ones (SmolLM2's perplexity: +52% with plain
-per-token int4). `"int4"` therefore stores every K and V vector rotated by an orthonormal Hadamard matrix `H`
-(Walsh-Hadamard over the head dim, block-diagonal where the head dim is not a power of two), which spreads an
-outlier over all channels (+11%; measured in benchmarks/kv_quant.py). Attention is unchanged by the rotation:
+A per-token scale is set by the vector's largest channel, and keys have a few outlier channels: the others get
+few levels (SmolLM2 with plain per-token int4: perplexity +52%; plain int8: 54% of greedy 64-token continuations
+identical to unquantized pages). Both formats therefore store every K and V vector rotated by an orthonormal
+Hadamard matrix `H` (Walsh-Hadamard over the head dim, block-diagonal where the head dim is not a power of two),
+which spreads an outlier over all channels (int4: +10%; int8: 84% identical; benchmarks/kv_quant.py and
+docs/benchmarks.md). Attention is unchanged by the rotation:
 `q . k = (q H) . (k H)` and `sum p v = (sum p (v H)) H` (`H` is its own inverse), so a kernel rotates the queries
 once, attends over the rotated pages as they lie, and rotates its output back; the gather reference rotates the
 dequantized K/V back instead. Scales are bfloat16: 2 bytes a token and head, with the range of float32 (no
@@ -25,14 +27,14 @@ Example:
 
 ```python
 >>> import torch
->>> fmt = kv_format("int8")
+>>> fmt = KVFormat("int8", bits=8)                          # int8 codes, not rotated (to show them)
 >>> x = torch.tensor([[[127.0, -254.0, 50.0, 0.0]]])       # 1 token, 1 head, head_dim 4
 >>> codes, scales = fmt.quantize(x)                         # scale: absmax / 127 = 2.0
 >>> codes, scales
 (tensor([[[  64, -127,   25,    0]]], dtype=torch.int8), tensor([[2.]], dtype=torch.bfloat16))
 >>> fmt.dequantize(codes, scales, torch.float32)
 tensor([[[ 128., -254.,   50.,    0.]]])
->>> codes, scales = kv_format("int4").quantize(x)         # two codes a byte, stored rotated
+>>> codes, scales = kv_format("int4").quantize(x)         # kv_dtype="int4": rotated, two codes a byte
 >>> codes.shape, codes.dtype
 (torch.Size([1, 1, 2]), torch.uint8)
 
@@ -152,7 +154,11 @@ class KVFormat:
         return step * x.shape[-1] ** 0.5 + 1e-6 * x.abs().amax(dim=-1) + 1e-12
 
 
-FORMATS = {"auto": KVFormat("auto"), "int8": KVFormat("int8", 8), "int4": KVFormat("int4", 4, rotated=True)}
+FORMATS = {
+    "auto": KVFormat("auto"),
+    "int8": KVFormat("int8", 8, rotated=True),
+    "int4": KVFormat("int4", 4, rotated=True),
+}
 
 
 @functools.lru_cache(maxsize=16)

@@ -90,7 +90,7 @@ def test_int4_pages_hold_rotated_vectors_and_attention_is_unchanged_by_the_rotat
 
 
 def test_int8_codes_are_symmetric():
-    codes, _ = kv_format("int8").quantize(torch.tensor([[-2.0, 2.0, 1.0]]))
+    codes, _ = KVFormat("int8", 8).quantize(torch.tensor([[-2.0, 2.0, 1.0]]))
     assert codes.tolist() == [[-127, 127, 64]]
 
 
