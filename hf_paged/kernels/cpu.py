@@ -89,31 +89,6 @@ def supports(query: torch.Tensor, key_cache: torch.Tensor | QuantizedPages) -> b
 
 def attention(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start: torch.Tensor,
-    scale: float,
-    window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`kernels.paged_attention` on the CPU, reading the blocks where they lie. Pages stored rotated (`"int4"`, see
-    `hf_paged.kv_format`) are attended in their rotated space: the queries are rotated in, the output back out."""
-    if isinstance(key_cache, QuantizedPages) and key_cache.format.rotated:
-        rotated_query = rotate(query).to(query.dtype)
-        args = (key_cache, value_cache, block_tables, seq_lens, query_start, scale, window, softcap, sinks)
-        result = rotate(_attention(rotated_query, *args)).to(query.dtype)
-        return result if out is None else out.copy_(result)
-    return _attention(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start, scale, window, softcap, sinks, out
-    )
-
-
-def _attention(
-    query: torch.Tensor,
     key_cache: torch.Tensor | QuantizedPages,
     value_cache: torch.Tensor | QuantizedPages,
     block_tables: torch.Tensor,
@@ -125,6 +100,11 @@ def _attention(
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """`kernels.paged_attention` on the CPU, reading the blocks where they lie. Quantized pages stored rotated (see
+    `hf_paged.kv_format`) are attended in their rotated space: the queries are rotated in, the output back out."""
+    rotated = isinstance(key_cache, QuantizedPages) and key_cache.format.rotated
+    if rotated:
+        query, final_out, out = rotate(query).to(query.dtype), out, None
     lib = library()
     num_tokens, num_q_heads, head_dim = query.shape
     if out is None:
@@ -179,6 +159,9 @@ def _attention(
     status = lib.hf_paged_attention(ctypes.byref(params), DTYPES[query.dtype], KV_FORMATS[bits])
     if status != 0:
         raise RuntimeError(f"the CPU paged-attention kernel refused its arguments (status {status})")
+    if rotated:
+        out = rotate(out).to(out.dtype)
+        return out if final_out is None else final_out.copy_(out)
     return out
 
 
