@@ -6,10 +6,11 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
-from .kernels import check_kernel_name
+import torch
+
+from .kernels import DEFAULT_BLOCK_SIZE, auto_block_size, check_kernel_name
 from .kv_format import check_kv_dtype
 
-DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CPU_KV_BYTES = 1024**3
 DEFAULT_MAX_BLOCKS = 65536  # cap of the default sizing only (explicit num_blocks / max_memory are not capped)
 DEFAULT_GPU_MEMORY_FRACTION = 0.9
@@ -66,7 +67,9 @@ class PagedCacheConfig:
     """Options of the paged KV cache, given as `cache_config={...}` to `generate` or as keywords to `PagedCache`.
 
     Args:
-        block_size (`int`, *optional*): tokens per block (default 16).
+        block_size (`int` or `"auto"`, *optional*): tokens per block (default 16). `"auto"`: the size the fastest
+            attention backend of the model's device reads (256 on CUDA with flash-attn 2, else 16; see
+            `kernels.auto_block_size`).
         num_blocks (`int`, *optional*): blocks in the model's pool. Exclusive with `max_memory`.
         max_memory (`int | str`, *optional*): KV bytes for the pool (`"512MiB"`), turned into `num_blocks`.
         memory_fraction (`float`, *optional*): on CUDA, the fraction of free device memory the pool may take
@@ -124,8 +127,10 @@ class PagedCacheConfig:
     def _validate(self) -> None:
         for name in ("block_size", "num_blocks"):
             value = getattr(self, name)
-            if value is None:
+            if value is None or (name == "block_size" and value == "auto"):
                 continue
+            if name == "block_size" and isinstance(value, str):
+                raise ValueError(f"cache_config block_size must be a positive int or 'auto', got {value!r}")
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"cache_config {name} must be a positive int, got {value!r}")
             if value <= 0:
@@ -156,6 +161,14 @@ class PagedCacheConfig:
 
     @property
     def resolved_block_size(self) -> int:
+        """The block size asked for (`DEFAULT_BLOCK_SIZE` when none is; "auto" resolves on the CPU: see
+        `block_size_on`)."""
+        return self.block_size_on("cpu")
+
+    def block_size_on(self, device: torch.device | str) -> int:
+        """The block size of a pool on `device`: the one given, `DEFAULT_BLOCK_SIZE`, or what `"auto"` picks there."""
+        if self.block_size == "auto":
+            return auto_block_size(device, self.kernel)
         return self.block_size if self.block_size is not None else DEFAULT_BLOCK_SIZE
 
     @property

@@ -376,7 +376,7 @@ def _check_fits(model: torch.nn.Module, num_blocks: int, block_size: int, kv_sha
 
 def _size_pool(model: torch.nn.Module, config: PagedCacheConfig, layout: KVLayout) -> tuple[int, int, KVShape]:
     kv_shape = KVShape.from_model(model, layout.lanes_per_block, config.resolved_kv_dtype)
-    block_size = config.resolved_block_size
+    block_size = config.block_size_on(next(model.parameters()).device)
     if config.num_blocks is not None:
         _check_fits(model, config.num_blocks, block_size, kv_shape, f"num_blocks={config.num_blocks}")
         return config.num_blocks, block_size, kv_shape

@@ -28,6 +28,10 @@ def test_engine_limits_are_options():
     assert build_parser().parse_args(["serve", "m", "--max-num-batched-tokens", "128"]).max_num_batched_tokens == 128
 
 
+def test_block_size_may_be_auto():
+    assert build_parser().parse_args(["serve", "m", "--block-size", "auto"]).block_size == "auto"
+
+
 def test_num_blocks_and_max_memory_are_exclusive(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "m", "--num-blocks", "8", "--max-memory", "1GiB"])

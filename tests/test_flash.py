@@ -209,6 +209,23 @@ def test_block_size_rule_and_supported_tensors():
     assert not flash.supports(query, key_cache)  # on the CPU, and fp32: never flash-attn
 
 
+def test_block_size_auto_picks_what_the_fastest_backend_reads(monkeypatch):
+    from hf_paged.config import PagedCacheConfig
+
+    assert kernels.auto_block_size("cpu") == 16
+    monkeypatch.setattr(flash, "available", lambda: False)
+    assert kernels.auto_block_size("cuda") == 16  # the Triton kernel or gather: any size
+    monkeypatch.setattr(flash, "available", lambda: True)
+    assert kernels.auto_block_size("cuda") == kernels.auto_block_size("cuda", "flash") == 256
+    assert kernels.auto_block_size("cuda", "triton") == kernels.auto_block_size("cuda", "gather") == 16
+    assert kernels.auto_block_size("cpu", "flash") == 16
+    config = PagedCacheConfig.from_dict({"block_size": "auto"})
+    assert (config.block_size_on("cuda"), config.block_size_on("cpu")) == (256, 16)
+    assert kernels.resolve_kernel("auto", "cuda", config.block_size_on("cuda")).backend == "flash"
+    with pytest.raises(ValueError, match="block_size must be a positive int or 'auto', got 'big'"):
+        PagedCacheConfig.from_dict({"block_size": "big"})
+
+
 def test_cuda_choice_by_block_size(monkeypatch, caplog):
     monkeypatch.setattr(flash, "available", lambda: True)
     monkeypatch.setattr(triton_backend, "available", lambda: True)

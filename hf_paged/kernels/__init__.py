@@ -56,6 +56,7 @@ from .reference import gather_paged_attention
 
 KERNELS = ("auto", "gather", "cpu", "triton", "flash")
 AUTO_CPU_MAX_QUERIES = 8  # measured: benchmarks/paged_kernel.py (docs/benchmarks.md)
+DEFAULT_BLOCK_SIZE = 16  # tokens per block unless cache_config names a size (or "auto" picks 256 for flash-attn)
 DEFAULT_KERNEL = os.environ.get("HF_PAGED_KERNEL", "auto")
 
 __all__ = [
@@ -64,6 +65,7 @@ __all__ = [
     "KERNELS",
     "KernelChoice",
     "KernelUnavailableError",
+    "auto_block_size",
     "in_place_backend",
     "paged_attention",
     "resolve_kernel",
@@ -132,6 +134,26 @@ def in_place_backend(name: str):
     """The module of in-place backend `name`: `supports(query, key_cache)` and `attention(...)` (the arguments of
     `paged_attention`, positionally, without `kernel`)."""
     return _IN_PLACE_BACKENDS[name]
+
+
+def auto_block_size(device: torch.device | str, kernel: str | None = None) -> int:
+    """The block size `cache_config={"block_size": "auto"}` picks on `device` for `kernel` (`None`: `DEFAULT_KERNEL`):
+    the one the fastest backend there reads: `flash.BLOCK_MULTIPLE` (256) on CUDA where flash-attn is installed and
+    the kernel may be flash-attn, else `DEFAULT_BLOCK_SIZE` (16: the CPU kernel and the Triton kernel read any size;
+    16 wastes little at the end of a sequence).
+
+    Example:
+
+    ```python
+    >>> auto_block_size("cpu")
+    16
+
+    ```
+    """
+    name = check_kernel_name(DEFAULT_KERNEL if kernel is None else kernel)
+    if torch.device(device).type == "cuda" and name in ("auto", "flash") and flash.available():
+        return flash.BLOCK_MULTIPLE
+    return DEFAULT_BLOCK_SIZE
 
 
 def check_kernel_name(name) -> str:
