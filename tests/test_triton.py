@@ -18,9 +18,11 @@ import hf_paged
 from hf_paged import kernels
 from hf_paged.kernels import triton as triton_backend
 from hf_paged.kernels.reference import gather_paged_attention
+from hf_paged.kv_format import QuantizedPages, kv_format
 from hf_paged.reference_models import tiny_model
 
 from .conftest import left_padded_batch
+from .quant_helpers import generate_round_trip
 from .test_kernels import random_call
 
 pytest.importorskip("triton")
@@ -95,6 +97,50 @@ def test_half_precision_storage(dtype, tolerance):
         query.float(), key_cache.float(), value_cache.float(), tables, lengths, starts, 0.125, 24
     )
     assert got.dtype == dtype and (got.float() - want).abs().max() <= tolerance
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(
+    shape=calls(),
+    kv_dtype=st.sampled_from(["int8", "int4"]),
+    group=st.sampled_from([1, 2, 4]),
+    head_dim=st.sampled_from([64, 24]),  # 24: padded to 32 lanes, the rotation block-diagonal
+    window=st.sampled_from([None, 7, 33]),
+    softcap=st.sampled_from([None, 5.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_quantized_pages_match_dequantize_then_reference(shape, kv_dtype, group, head_dim, window, softcap, seed):
+    block_size, lengths, counts = shape
+    query, key_cache, value_cache, tables, lengths, starts = random_call(
+        seed, lengths, counts, kv_heads=2, group=group, head_dim=head_dim, block_size=block_size
+    )
+    fmt = kv_format(kv_dtype)
+    key_pages = QuantizedPages(fmt, *fmt.quantize(key_cache), query.dtype)
+    value_pages = QuantizedPages(fmt, *fmt.quantize(value_cache), query.dtype)
+    options = {"scale": head_dim**-0.5, "window": window, "softcap": softcap}
+    got = kernels.paged_attention(query, key_pages, value_pages, tables, lengths, starts, kernel="triton", **options)
+    dense = (key_pages.dequantize(), value_pages.dequantize())
+    want = kernels.paged_attention(query, *dense, tables, lengths, starts, kernel="gather", **options)
+    assert (got - want).abs().max().item() <= TOLERANCE
+
+
+def test_generate_on_quantized_pages_through_the_triton_kernel_matches_stock_over_the_same_values():
+    model = tiny_model("llama")
+    input_ids = torch.randint(3, 128, (2, 13), generator=torch.Generator().manual_seed(1))
+    for kv_dtype in ("int8", "int4"):
+        expected = generate_round_trip(model, kv_dtype, input_ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        out = model.generate(
+            input_ids,
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+            cache_implementation="paged",
+            cache_config={"kernel": "triton", "block_size": 16, "kv_dtype": kv_dtype},
+        )
+        assert torch.equal(out.sequences, expected)
+        assert set(out.past_key_values.attention_calls) == {"triton"}
+        out.past_key_values.release()
 
 
 def test_tiles_outside_the_window_are_not_read():

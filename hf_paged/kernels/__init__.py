@@ -7,9 +7,9 @@ steps. Backends:
 
 - `"gather"`: the reference; copies each row's K/V out of the blocks, then attends with torch ops. Runs anywhere.
 - `"cpu"`: reads the blocks in place, multi-threaded (C++ built at first use, see `kernels.build`); fp32, bf16, fp16.
-- `"triton"`: reads the blocks in place on CUDA devices (`kernels.triton`; any block size); needs `triton`
-  (`pip install 'hf_paged[triton]'`). On the CPU it runs only under Triton's interpreter (`TRITON_INTERPRET=1`),
-  which is how the tests prove it without a GPU.
+- `"triton"`: reads the blocks in place on CUDA devices (`kernels.triton`; any block size; quantized pages too);
+  needs `triton` (`pip install 'hf_paged[triton]'`). On the CPU it runs only under Triton's interpreter
+  (`TRITON_INTERPRET=1`), which is how the tests prove it without a GPU.
 - `"flash"`: flash-attn 2's paged kernels on CUDA (`kernels.flash`); needs `flash-attn` (`pip install
   'hf_paged[flash]'`), fp16/bf16 and blocks of a multiple of 256 tokens; the calls it cannot take go to the
   Triton kernel where it runs, else gather.

@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from ..kv_format import QuantizedPages
+from ..kv_format import QuantizedPages, rotate
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TILE_N = 16  # keys per inner step
@@ -51,11 +51,11 @@ def runs_on(device: torch.device | str) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and interpreted())
 
 
-def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """Whether this backend can run a call on these tensors."""
+def supports(query: torch.Tensor, key_cache: torch.Tensor | QuantizedPages) -> bool:
+    """Whether this backend can run a call on these tensors (blocks in the query's dtype, or quantized pages read
+    back in it)."""
     return (
-        not isinstance(key_cache, QuantizedPages)  # quantized pages: the CPU kernel and gather read them
-        and available()
+        available()
         and runs_on(query.device)
         and key_cache.device == query.device
         and query.dtype == key_cache.dtype
@@ -69,8 +69,8 @@ def _next_power_of_2(n: int) -> int:
 
 def attention(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    key_cache: torch.Tensor | QuantizedPages,
+    value_cache: torch.Tensor | QuantizedPages,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start: torch.Tensor,
@@ -80,9 +80,21 @@ def attention(
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`kernels.paged_attention` in Triton, reading the blocks where they lie (no host synchronisation)."""
+    """`kernels.paged_attention` in Triton, reading the blocks where they lie (no host synchronisation). Quantized
+    pages (`hf_paged.kv_format`) are dequantized as they are loaded (codes x scale, fp32) and, being stored rotated,
+    attended in their rotated space: the queries are rotated in, the output back out."""
     import triton
 
+    final_out, quant_bits, rotated = out, 0, False
+    key_scales = value_scales = None
+    if isinstance(key_cache, QuantizedPages):
+        quant_bits, key_scales, value_scales = key_cache.format.bits, key_cache.scales, value_cache.scales
+        rotated = key_cache.format.rotated
+        if rotated:
+            query, out = rotate(query).to(query.dtype), None
+        key_cache, value_cache = key_cache.codes, value_cache.codes
+        if key_scales.stride() != value_scales.stride():
+            key_scales, value_scales = key_scales.contiguous(), value_scales.contiguous()
     kernel = _kernel()
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
@@ -110,6 +122,8 @@ def attention(
         seq_lens,
         query_start,
         query if sinks is None else sinks,  # an unused pointer when there are no sinks
+        query if key_scales is None else key_scales,  # unused without quantized pages
+        query if value_scales is None else value_scales,
         num_rows,
         float(scale),
         0 if window is None else int(window),
@@ -119,6 +133,7 @@ def attention(
         *key_cache.stride(),
         *value_cache.stride(),
         block_tables.stride(0),
+        *(key_scales.stride() if key_scales is not None else (0, 0, 0)),
         BLOCK_SIZE=key_cache.shape[1],
         GROUP=group,
         HEAD_DIM=head_dim,
@@ -130,7 +145,11 @@ def attention(
         USE_SOFTCAP=softcap is not None,
         USE_SINKS=sinks is not None,
         DOT_FP32=query.dtype == torch.float32 or interpreted(),  # the interpreter's fp16/bf16 dots are wrong
+        QUANT_BITS=quant_bits,
     )
+    if rotated:  # attended in the rotated space of quantized pages
+        out = rotate(out).to(out.dtype)
+        return out if final_out is None else final_out.copy_(out)
     return out
 
 

@@ -12,6 +12,17 @@ def _tanh(x):
 
 
 @triton.jit
+def _dequantize(rows, dims, stride_dim, mask, QUANT_BITS: tl.constexpr):
+    """Codes of quantized pages as fp32 (before the scale): int8 codes, or int4 codes two a byte (low nibble
+    first, stored as code + 8)."""
+    if QUANT_BITS == 8:
+        return tl.load(rows + dims * stride_dim, mask=mask, other=0).to(tl.float32)
+    packed = tl.load(rows + (dims // 2) * stride_dim, mask=mask, other=0x88).to(tl.int32)  # masked: codes 0
+    nibble = tl.where(dims % 2 == 0, packed & 15, packed >> 4)
+    return (nibble - 8).to(tl.float32)
+
+
+@triton.jit
 def paged_attention_kernel(
     query_ptr,
     key_ptr,
@@ -21,6 +32,8 @@ def paged_attention_kernel(
     seq_lens_ptr,
     query_start_ptr,
     sinks_ptr,
+    key_scales_ptr,
+    value_scales_ptr,
     num_rows,
     scale,
     window,
@@ -40,6 +53,9 @@ def paged_attention_kernel(
     v_stride_head,
     v_stride_dim,
     table_stride,
+    s_stride_block,
+    s_stride_slot,
+    s_stride_head,
     BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -51,6 +67,7 @@ def paged_attention_kernel(
     USE_SOFTCAP: tl.constexpr,
     USE_SINKS: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    QUANT_BITS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -112,15 +129,21 @@ def paged_attention_kernel(
         key_valid = (key_position >= key_begin) & (key_position < key_end)  # never a skipped block
         block = tl.load(table + key_position // BLOCK_SIZE, mask=key_valid, other=0)
         slot = key_position % BLOCK_SIZE
-        k = tl.load(
-            key_ptr
-            + block[None, :] * k_stride_block
-            + slot[None, :] * k_stride_slot
-            + kv_head * k_stride_head
-            + offs_d[:, None] * k_stride_dim,
-            mask=key_valid[None, :] & dim_valid[:, None],
-            other=0.0,
-        )  # [HEAD_DIM_PADDED, TILE_N]
+        k_rows = key_ptr + block[None, :] * k_stride_block + slot[None, :] * k_stride_slot + kv_head * k_stride_head
+        if QUANT_BITS == 0:
+            k = tl.load(
+                k_rows + offs_d[:, None] * k_stride_dim, mask=key_valid[None, :] & dim_valid[:, None], other=0.0
+            )  # [HEAD_DIM_PADDED, TILE_N]
+        else:
+            k_scale = tl.load(
+                key_scales_ptr + block * s_stride_block + slot * s_stride_slot + kv_head * s_stride_head,
+                mask=key_valid,
+                other=0.0,
+            ).to(tl.float32)
+            k = _dequantize(k_rows, offs_d[:, None], k_stride_dim, key_valid[None, :] & dim_valid[:, None], QUANT_BITS)
+            k = k * k_scale[None, :]
+            if not DOT_FP32:
+                k = k.to(query_ptr.dtype.element_ty)
         if DOT_FP32:
             s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
         else:
@@ -138,15 +161,21 @@ def paged_attention_kernel(
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
-        v = tl.load(
-            value_ptr
-            + block[:, None] * v_stride_block
-            + slot[:, None] * v_stride_slot
-            + kv_head * v_stride_head
-            + offs_d[None, :] * v_stride_dim,
-            mask=key_valid[:, None] & dim_valid[None, :],
-            other=0.0,
-        )  # [TILE_N, HEAD_DIM_PADDED]
+        v_rows = value_ptr + block[:, None] * v_stride_block + slot[:, None] * v_stride_slot + kv_head * v_stride_head
+        if QUANT_BITS == 0:
+            v = tl.load(
+                v_rows + offs_d[None, :] * v_stride_dim, mask=key_valid[:, None] & dim_valid[None, :], other=0.0
+            )  # [TILE_N, HEAD_DIM_PADDED]
+        else:
+            v_scale = tl.load(
+                value_scales_ptr + block * s_stride_block + slot * s_stride_slot + kv_head * s_stride_head,
+                mask=key_valid,
+                other=0.0,
+            ).to(tl.float32)
+            v = _dequantize(v_rows, offs_d[None, :], v_stride_dim, key_valid[:, None] & dim_valid[None, :], QUANT_BITS)
+            v = v * v_scale[:, None]
+            if not DOT_FP32:
+                v = v.to(query_ptr.dtype.element_ty)
         if DOT_FP32:
             acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
