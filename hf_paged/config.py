@@ -130,7 +130,7 @@ class PagedCacheConfig:
             if value is None or (name == "block_size" and value == "auto"):
                 continue
             if name == "block_size" and isinstance(value, str):
-                raise ValueError(f"cache_config block_size must be a positive int or 'auto', got {value!r}")
+                raise TypeError(f"cache_config block_size must be a positive int or 'auto', got {value!r}")
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"cache_config {name} must be a positive int, got {value!r}")
             if value <= 0:

@@ -71,7 +71,7 @@ def prefill(model, cache, input_ids):
     [
         (0, ValueError, "block_size must be a positive int \\(>= 1\\), got 0"),
         (-4, ValueError, "block_size must be a positive int \\(>= 1\\), got -4"),
-        ("16", TypeError, "block_size must be a positive int, got '16'"),
+        ("16", TypeError, "block_size must be a positive int or 'auto', got '16'"),
         (2.5, TypeError, "block_size must be a positive int, got 2.5"),
     ],
 )

@@ -222,7 +222,7 @@ def test_block_size_auto_picks_what_the_fastest_backend_reads(monkeypatch):
     config = PagedCacheConfig.from_dict({"block_size": "auto"})
     assert (config.block_size_on("cuda"), config.block_size_on("cpu")) == (256, 16)
     assert kernels.resolve_kernel("auto", "cuda", config.block_size_on("cuda")).backend == "flash"
-    with pytest.raises(ValueError, match="block_size must be a positive int or 'auto', got 'big'"):
+    with pytest.raises(TypeError, match="block_size must be a positive int or 'auto', got 'big'"):
         PagedCacheConfig.from_dict({"block_size": "big"})
 
 

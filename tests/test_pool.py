@@ -87,7 +87,7 @@ def test_parse_memory_refuses_nonsense(value, error, message):
     [
         ({"memory_fraction": 1.5}, "memory_fraction must be in \\(0, 1\\], got 1.5"),
         ({"attn_implementation": 3}, "attn_implementation must be a string, got 3"),
-        ({"block_size": "16"}, "block_size must be a positive int, got '16'"),
+        ({"block_size": "16"}, "block_size must be a positive int or 'auto', got '16'"),
         ({"num_block": 4}, "unknown cache_config key\\(s\\) \\['num_block'\\]; hf_paged understands"),
     ],
 )
