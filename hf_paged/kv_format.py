@@ -193,6 +193,22 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
     return x.float() @ hadamard(x.shape[-1], x.device)
 
 
+def attends_rotated_pages(attention):
+    """Let a kernel's `attention(query, key_cache, value_cache, *args, out=None)`, which reads K/V as the pages hold
+    them, attend quantized pages stored rotated: the queries are rotated in and the output back out (attention is
+    unchanged by the rotation, see the module docstring); any other call goes through as it is."""
+
+    @functools.wraps(attention)
+    def wrapper(query, key_cache, value_cache, *args, out=None, **kwargs):
+        if not (isinstance(key_cache, QuantizedPages) and key_cache.format.rotated):
+            return attention(query, key_cache, value_cache, *args, out=out, **kwargs)
+        rotated = attention(rotate(query).to(query.dtype), key_cache, value_cache, *args, **kwargs)
+        result = rotate(rotated).to(query.dtype)
+        return result if out is None else out.copy_(result)
+
+    return wrapper
+
+
 def kv_format(name: str | None) -> KVFormat:
     """The `KVFormat` named `name` (`None`: `"auto"`)."""
     return FORMATS[check_kv_dtype("auto" if name is None else name)]
@@ -211,8 +227,8 @@ class QuantizedPages:
     >>> fmt = kv_format("int8")
     >>> codes, scales = fmt.quantize(torch.randn(4, 16, 2, 8))
     >>> pages = QuantizedPages(fmt, codes, scales, torch.float32)
-    >>> pages.shape, pages.dequantize_blocks(torch.tensor([3])).shape
-    (torch.Size([4, 16, 2, 8]), torch.Size([1, 16, 2, 8]))
+    >>> pages.shape, pages.dequantize().shape
+    (torch.Size([4, 16, 2, 8]), torch.Size([4, 16, 2, 8]))
 
     ```
     """
@@ -228,12 +244,6 @@ class QuantizedPages:
     @property
     def device(self) -> torch.device:
         return self.codes.device
-
-    def dequantize_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Blocks `blocks` (ids) read back as `[len(blocks), block_size, num_kv_heads, head_dim]` in `dtype`."""
-        return self.format.dequantize(
-            self.codes.index_select(0, blocks), self.scales.index_select(0, blocks), self.dtype
-        )
 
     def dequantize(self) -> torch.Tensor:
         """Every block read back (for tests and the reference)."""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..kv_format import QuantizedPages, rotate
+from ..kv_format import QuantizedPages, attends_rotated_pages
 from .build import load_library
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
@@ -87,6 +87,7 @@ def supports(query: torch.Tensor, key_cache: torch.Tensor | QuantizedPages) -> b
     )
 
 
+@attends_rotated_pages
 def attention(
     query: torch.Tensor,
     key_cache: torch.Tensor | QuantizedPages,
@@ -100,11 +101,8 @@ def attention(
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`kernels.paged_attention` on the CPU, reading the blocks where they lie. Quantized pages stored rotated (see
-    `hf_paged.kv_format`) are attended in their rotated space: the queries are rotated in, the output back out."""
-    rotated = isinstance(key_cache, QuantizedPages) and key_cache.format.rotated
-    if rotated:
-        query, final_out, out = rotate(query).to(query.dtype), out, None
+    """`kernels.paged_attention` on the CPU, reading the blocks where they lie (quantized pages: their codes and
+    scales, dequantized as each row is loaded; stored rotated, attended in their rotated space)."""
     lib = library()
     num_tokens, num_q_heads, head_dim = query.shape
     if out is None:
@@ -159,9 +157,6 @@ def attention(
     status = lib.hf_paged_attention(ctypes.byref(params), DTYPES[query.dtype], KV_FORMATS[bits])
     if status != 0:
         raise RuntimeError(f"the CPU paged-attention kernel refused its arguments (status {status})")
-    if rotated:
-        out = rotate(out).to(out.dtype)
-        return out if final_out is None else final_out.copy_(out)
     return out
 
 

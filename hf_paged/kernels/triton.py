@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from ..kv_format import QuantizedPages, rotate
+from ..kv_format import QuantizedPages, attends_rotated_pages
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TILE_N = 16  # keys per inner step
@@ -67,6 +67,7 @@ def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+@attends_rotated_pages
 def attention(
     query: torch.Tensor,
     key_cache: torch.Tensor | QuantizedPages,
@@ -85,13 +86,9 @@ def attention(
     attended in their rotated space: the queries are rotated in, the output back out."""
     import triton
 
-    final_out, quant_bits, rotated = out, 0, False
-    key_scales = value_scales = None
+    quant_bits, key_scales, value_scales = 0, None, None
     if isinstance(key_cache, QuantizedPages):
         quant_bits, key_scales, value_scales = key_cache.format.bits, key_cache.scales, value_cache.scales
-        rotated = key_cache.format.rotated
-        if rotated:
-            query, out = rotate(query).to(query.dtype), None
         key_cache, value_cache = key_cache.codes, value_cache.codes
         if key_scales.stride() != value_scales.stride():
             key_scales, value_scales = key_scales.contiguous(), value_scales.contiguous()
@@ -147,9 +144,6 @@ def attention(
         DOT_FP32=query.dtype == torch.float32 or interpreted(),  # the interpreter's fp16/bf16 dots are wrong
         QUANT_BITS=quant_bits,
     )
-    if rotated:  # attended in the rotated space of quantized pages
-        out = rotate(out).to(out.dtype)
-        return out if final_out is None else final_out.copy_(out)
     return out
 
 

@@ -23,6 +23,16 @@ def _dequantize(rows, dims, stride_dim, mask, QUANT_BITS: tl.constexpr):
 
 
 @triton.jit
+def _load_kv(rows, dims, stride_dim, mask, scales, scale_mask, QUANT_BITS: tl.constexpr):
+    """A tile of K (or V) as the pages hold it: in the storage dtype, or quantized codes times their scales (`scales`
+    and `scale_mask` broadcast against `rows`), in fp32."""
+    if QUANT_BITS == 0:
+        return tl.load(rows + dims * stride_dim, mask=mask, other=0.0)
+    scale = tl.load(scales, mask=scale_mask, other=0.0).to(tl.float32)
+    return _dequantize(rows, dims, stride_dim, mask, QUANT_BITS) * scale
+
+
+@triton.jit
 def paged_attention_kernel(
     query_ptr,
     key_ptr,
@@ -129,21 +139,18 @@ def paged_attention_kernel(
         key_valid = (key_position >= key_begin) & (key_position < key_end)  # never a skipped block
         block = tl.load(table + key_position // BLOCK_SIZE, mask=key_valid, other=0)
         slot = key_position % BLOCK_SIZE
-        k_rows = key_ptr + block[None, :] * k_stride_block + slot[None, :] * k_stride_slot + kv_head * k_stride_head
-        if QUANT_BITS == 0:
-            k = tl.load(
-                k_rows + offs_d[:, None] * k_stride_dim, mask=key_valid[None, :] & dim_valid[:, None], other=0.0
-            )  # [HEAD_DIM_PADDED, TILE_N]
-        else:
-            k_scale = tl.load(
-                key_scales_ptr + block * s_stride_block + slot * s_stride_slot + kv_head * s_stride_head,
-                mask=key_valid,
-                other=0.0,
-            ).to(tl.float32)
-            k = _dequantize(k_rows, offs_d[:, None], k_stride_dim, key_valid[None, :] & dim_valid[:, None], QUANT_BITS)
-            k = k * k_scale[None, :]
-            if not DOT_FP32:
-                k = k.to(query_ptr.dtype.element_ty)
+        scale_at = block * s_stride_block + slot * s_stride_slot + kv_head * s_stride_head  # quantized pages only
+        k = _load_kv(
+            key_ptr + block[None, :] * k_stride_block + slot[None, :] * k_stride_slot + kv_head * k_stride_head,
+            offs_d[:, None],
+            k_stride_dim,
+            key_valid[None, :] & dim_valid[:, None],
+            key_scales_ptr + scale_at[None, :],
+            key_valid[None, :],
+            QUANT_BITS,
+        )  # [HEAD_DIM_PADDED, TILE_N]
+        if not DOT_FP32:
+            k = k.to(query_ptr.dtype.element_ty)  # dequantized codes to the tensor cores' half precision
         if DOT_FP32:
             s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
         else:
@@ -161,21 +168,17 @@ def paged_attention_kernel(
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
-        v_rows = value_ptr + block[:, None] * v_stride_block + slot[:, None] * v_stride_slot + kv_head * v_stride_head
-        if QUANT_BITS == 0:
-            v = tl.load(
-                v_rows + offs_d[None, :] * v_stride_dim, mask=key_valid[:, None] & dim_valid[None, :], other=0.0
-            )  # [TILE_N, HEAD_DIM_PADDED]
-        else:
-            v_scale = tl.load(
-                value_scales_ptr + block * s_stride_block + slot * s_stride_slot + kv_head * s_stride_head,
-                mask=key_valid,
-                other=0.0,
-            ).to(tl.float32)
-            v = _dequantize(v_rows, offs_d[None, :], v_stride_dim, key_valid[:, None] & dim_valid[None, :], QUANT_BITS)
-            v = v * v_scale[:, None]
-            if not DOT_FP32:
-                v = v.to(query_ptr.dtype.element_ty)
+        v = _load_kv(
+            value_ptr + block[:, None] * v_stride_block + slot[:, None] * v_stride_slot + kv_head * v_stride_head,
+            offs_d[None, :],
+            v_stride_dim,
+            key_valid[:, None] & dim_valid[None, :],
+            value_scales_ptr + scale_at[:, None],
+            key_valid[:, None],
+            QUANT_BITS,
+        )  # [TILE_N, HEAD_DIM_PADDED]
+        if not DOT_FP32:
+            v = v.to(query_ptr.dtype.element_ty)
         if DOT_FP32:
             acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
