@@ -159,12 +159,6 @@ class PagedCacheConfig:
         """The keys that were given, as `cache_config` keywords."""
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
-    @property
-    def resolved_block_size(self) -> int:
-        """The block size asked for (`DEFAULT_BLOCK_SIZE` when none is; "auto" resolves on the CPU: see
-        `block_size_on`)."""
-        return self.block_size_on("cpu")
-
     def block_size_on(self, device: torch.device | str) -> int:
         """The block size of a pool on `device`: the one given, `DEFAULT_BLOCK_SIZE`, or what `"auto"` picks there."""
         if self.block_size == "auto":
