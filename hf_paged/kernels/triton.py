@@ -84,8 +84,6 @@ def attention(
     """`kernels.paged_attention` in Triton, reading the blocks where they lie (no host synchronisation). Quantized
     pages (`hf_paged.kv_format`) are dequantized as they are loaded (codes x scale, fp32) and, being stored rotated,
     attended in their rotated space: the queries are rotated in, the output back out."""
-    import triton
-
     quant_bits, key_scales, value_scales = 0, None, None
     if isinstance(key_cache, QuantizedPages):
         quant_bits, key_scales, value_scales = key_cache.format.bits, key_cache.scales, value_cache.scales
@@ -107,9 +105,11 @@ def attention(
     query_start = query_start.to(device=device, dtype=torch.int32)
     if sinks is not None:
         sinks = sinks.detach().to(device=device, dtype=torch.float32).contiguous()
-    block_m = max(16, _next_power_of_2(group))
-    block_q = block_m // group
-    grid = (num_tokens // block_q + num_rows, num_kv_heads)
+    constants = kernel_constants(
+        query.dtype, group, head_dim, key_cache.shape[1], window is not None, softcap is not None, sinks is not None,
+        quant_bits,
+    )  # fmt: skip
+    grid = (num_tokens // constants["BLOCK_Q"] + num_rows, num_kv_heads)
     kernel[grid](
         query,
         key_cache,
@@ -131,20 +131,42 @@ def attention(
         *value_cache.stride(),
         block_tables.stride(0),
         *(key_scales.stride() if key_scales is not None else (0, 0, 0)),
-        BLOCK_SIZE=key_cache.shape[1],
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PADDED=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_Q=block_q,
-        BLOCK_M=block_m,
-        TILE_N=TILE_N,
-        USE_WINDOW=window is not None,
-        USE_SOFTCAP=softcap is not None,
-        USE_SINKS=sinks is not None,
-        DOT_FP32=query.dtype == torch.float32 or interpreted(),  # the interpreter's fp16/bf16 dots are wrong
-        QUANT_BITS=quant_bits,
+        **constants,
     )
     return out
+
+
+def kernel_constants(
+    dtype: torch.dtype,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    use_window: bool,
+    use_softcap: bool,
+    use_sinks: bool,
+    quant_bits: int,
+) -> dict[str, int | bool]:
+    """The kernel's compile-time constants for one call: one compiled variant per distinct dict.
+
+    Example:
+        >>> kernel_constants(torch.bfloat16, 4, 64, 16, False, False, False, 0)["BLOCK_M"]
+        16
+    """
+    block_m = max(16, _next_power_of_2(group))
+    return dict(
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=max(16, _next_power_of_2(head_dim)),
+        BLOCK_Q=block_m // group,
+        BLOCK_M=block_m,
+        TILE_N=TILE_N,
+        USE_WINDOW=use_window,
+        USE_SOFTCAP=use_softcap,
+        USE_SINKS=use_sinks,
+        DOT_FP32=dtype == torch.float32 or interpreted(),  # the interpreter's fp16/bf16 dots are wrong
+        QUANT_BITS=quant_bits,
+    )
 
 
 @functools.cache

@@ -26,10 +26,12 @@ def _dequantize(rows, dims, stride_dim, mask, QUANT_BITS: tl.constexpr):
 def _load_kv(rows, dims, stride_dim, mask, scales, scale_mask, QUANT_BITS: tl.constexpr):
     """A tile of K (or V) as the pages hold it: in the storage dtype, or quantized codes times their scales (`scales`
     and `scale_mask` broadcast against `rows`), in fp32."""
-    if QUANT_BITS == 0:
-        return tl.load(rows + dims * stride_dim, mask=mask, other=0.0)
-    scale = tl.load(scales, mask=scale_mask, other=0.0).to(tl.float32)
-    return _dequantize(rows, dims, stride_dim, mask, QUANT_BITS) * scale
+    if QUANT_BITS == 0:  # both branches return: compiled Triton needs one return type per branch, not a fallthrough
+        tile = tl.load(rows + dims * stride_dim, mask=mask, other=0.0)
+    else:
+        scale = tl.load(scales, mask=scale_mask, other=0.0).to(tl.float32)
+        tile = _dequantize(rows, dims, stride_dim, mask, QUANT_BITS) * scale
+    return tile
 
 
 @triton.jit

@@ -1,0 +1,99 @@
+"""The Triton kernel compiled ahead of time for a CUDA GPU (sm_90), on this machine: the interpreter
+(tests/test_triton.py) runs the kernel's Python and would not see what only the compiler checks, such as branches
+that return different types for half-precision pages. Triton ships its own PTX assembler, so this needs no GPU; it
+runs in a child process because the kernel is defined as interpreted or compiled when triton is first imported."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+# (storage dtype, quantized bits, query heads per KV head, head_dim, block size, window, softcap, sinks)
+VARIANTS = [
+    ("bfloat16", 0, 4, 128, 16, True, True, True),
+    ("float16", 0, 1, 64, 256, False, False, False),
+    ("float16", 0, 3, 80, 16, False, False, False),
+    ("float32", 0, 8, 128, 32, True, False, True),
+    ("bfloat16", 8, 2, 64, 16, False, True, False),
+    ("float16", 4, 2, 64, 16, True, False, False),
+]
+
+COMPILE = textwrap.dedent(
+    """
+    import inspect, json, sys
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from hf_paged.kernels import triton as backend
+
+    TARGET = GPUTarget("cuda", 90, 32)
+
+
+    @triton.jit
+    def probe(x):
+        pass  # the smallest kernel: does this triton compile for CUDA at all?
+
+
+    try:
+        triton.compile(ASTSource(probe, {"x": "*fp32"}), target=TARGET)
+    except Exception as error:
+        print(json.dumps({"unavailable": f"{type(error).__name__}: {error}"[-400:]}))
+        sys.exit(0)
+    TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+    kernel = backend._kernel()
+    names = list(inspect.signature(kernel.fn).parameters)
+    results = []
+    for dtype, bits, group, head_dim, block_size, window, softcap, sinks in json.loads(sys.argv[1]):
+        dtype = getattr(torch, dtype)
+        constants = backend.kernel_constants(dtype, group, head_dim, block_size, window, softcap, sinks, bits)
+        pages = {0: TYPES[dtype], 8: "i8", 4: "u8"}[bits]
+        pointers = dict(
+            query_ptr=TYPES[dtype], out_ptr=TYPES[dtype], key_ptr=pages, value_ptr=pages, tables_ptr="i32",
+            seq_lens_ptr="i32", query_start_ptr="i32", sinks_ptr="fp32", key_scales_ptr="bf16",
+            value_scales_ptr="bf16",
+        )
+        signature = {
+            name: "constexpr" if name in constants else "*" + pointers[name] if name in pointers
+            else "fp32" if name in ("scale", "softcap") else "i32"
+            for name in names
+        }
+        source = ASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in constants.items()})
+        try:
+            compiled = triton.compile(source, target=TARGET)
+            results.append([len(compiled.asm["cubin"]), ""])
+        except Exception as error:  # the message names the failing line
+            results.append([0, f"{type(error).__name__}: {error}"[-800:]])
+    print(json.dumps({"results": results}))
+    """
+)
+
+
+def compile_variants(variants: list[tuple], folder) -> list[list]:
+    """[cubin bytes, error] per variant, compiled in a child process without the interpreter (from a file: triton
+    reads a kernel's source)."""
+    script = folder / "compile_paged_attention.py"
+    script.write_text(COMPILE)
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, str(script), json.dumps(variants)], env=env, capture_output=True, text=True, timeout=600
+    )
+    if done.returncode:
+        pytest.fail(f"the compile script failed:\n{done.stderr[-3000:]}")
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    if "unavailable" in answer:
+        pytest.skip(f"this triton cannot compile for CUDA here: {answer['unavailable']}")
+    return answer["results"]
+
+
+def test_the_kernel_compiles_for_a_cuda_gpu_for_every_page_format(tmp_path):
+    results = compile_variants(VARIANTS, tmp_path)
+    failures = [f"{variant}: {error}" for variant, (size, error) in zip(VARIANTS, results, strict=True) if not size]
+    assert not failures, "\n".join(failures)
