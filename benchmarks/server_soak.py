@@ -3,28 +3,72 @@ random Llama with SmolLM2's tokenizer (every forward takes milliseconds, so the 
 dominates) to `--clients` threads for at most `--requests` requests or `--seconds` seconds, whichever comes first.
 The mix: completions and chat, streamed and not, with `logprobs` and `stop` strings, clients that close a stream
 after a few chunks, and bad requests (400s). The server's resident memory (VmRSS) is read after the warm-up and every
-`--every` requests; its latency histograms from `/metrics` are printed at the end.
+`--every` requests, with glibc's heap figures (`mallinfo2`: bytes malloc has handed out, bytes it holds free); at
+the end, the server calls `malloc_trim(0)` and its RSS is read again; its latency histograms from `/metrics` are
+printed last. With `--trace`, the server runs under `tracemalloc` and the allocation sites whose Python memory grew
+most between the warm-up and the end are printed (much slower; the RSS figures then include tracemalloc's own
+bookkeeping). Linux with glibc only.
 
 Usage: python benchmarks/server_soak.py [--requests 20000] [--seconds 300] [--clients 16] [--warm-up 2000]
-[--every 2000]
+[--every 2000] [--trace]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import tracemalloc
 from pathlib import Path
 
 import httpx
 
 MODEL = "tiny"
+
+# Runs `hf-paged serve`, under tracemalloc when $HF_PAGED_SOAK_TRACE is set. Signals, each answered in a file
+# $HF_PAGED_SOAK_STEM.<kind>.<n>: SIGUSR1 a tracemalloc snapshot (`trace`), SIGUSR2 glibc's heap figures (`malloc`:
+# bytes in use, bytes free but held), SIGURG `malloc_trim(0)` (hand back free heap pages) then the same figures.
+SERVER = """
+import ctypes, gc, json, os, signal, sys, tracemalloc
+if os.environ.get("HF_PAGED_SOAK_TRACE"):
+    tracemalloc.start(12)
+counts = {}
+def answer(kind, write):
+    counts[kind] = counts.get(kind, 0) + 1
+    path = os.environ["HF_PAGED_SOAK_STEM"] + f".{kind}.{counts[kind]}"
+    write(path + ".part")
+    os.replace(path + ".part", path)
+def trace(*_):
+    gc.collect()  # what only the cyclic collector frees is not a leak
+    answer("trace", lambda path: tracemalloc.take_snapshot().dump(path))
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+def heap(path):
+    info = libc.mallinfo2()
+    with open(path, "w") as file:
+        json.dump({"in_use": info.uordblks + info.hblkhd, "free_held": info.fordblks}, file)
+def malloc(*_):
+    answer("malloc", heap)
+def trim(*_):
+    libc.malloc_trim(0)
+    answer("trim", heap)
+signal.signal(signal.SIGUSR1, trace)
+signal.signal(signal.SIGUSR2, malloc)
+signal.signal(signal.SIGURG, trim)
+from hf_paged.serve.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
 
 
 def free_port() -> int:
@@ -51,6 +95,37 @@ def resident_mib(pid: int) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     return 0.0
+
+
+def ask(server: subprocess.Popen, stem: str, kind: str, counts: dict) -> Path:
+    """Send the server the signal of `kind` (`trace`, `malloc` or `trim`; see `SERVER`) and wait for its answer."""
+    counts[kind] = counts.get(kind, 0) + 1
+    server.send_signal({"trace": signal.SIGUSR1, "malloc": signal.SIGUSR2, "trim": signal.SIGURG}[kind])
+    path = Path(f"{stem}.{kind}.{counts[kind]}")
+    deadline = time.monotonic() + 120
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the server did not answer {kind!r}")
+        time.sleep(0.1)
+    return path
+
+
+def heap_mib(path: Path) -> tuple[float, float]:
+    """(MiB malloc has handed out and not got back, MiB free but held by malloc) from a `malloc`/`trim` answer."""
+    figures = json.loads(path.read_text())
+    return figures["in_use"] / 2**20, figures["free_held"] / 2**20
+
+
+def print_growth(before, after, top: int = 15) -> None:
+    """The allocation sites (whole tracebacks) whose memory grew most from `before` to `after`."""
+    differences = after.compare_to(before, "traceback")
+    total = sum(d.size_diff for d in differences)
+    print(f"\ntracemalloc: Python memory {total / 2**20:+.2f} MiB from the warm-up to the end; what grew most:")
+    grown = sorted((d for d in differences if d.size_diff > 0), key=lambda d: -d.size_diff)
+    for difference in grown[:top]:
+        print(f"{difference.size_diff / 1024:+9.1f} KiB in {difference.count_diff:+7d} blocks")
+        for line in difference.traceback.format(limit=6, most_recent_first=True):
+            print("    " + line)
 
 
 def one_request(client: httpx.Client, base: str, rng: random.Random) -> None:
@@ -83,23 +158,29 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--warm-up", type=int, default=2_000)
     parser.add_argument("--every", type=int, default=2_000)
+    parser.add_argument("--trace", action="store_true", help="run the server under tracemalloc; print what grew")
     args = parser.parse_args()
 
     folder = save_model(Path(tempfile.mkdtemp(prefix="hf_paged_soak_")) / "model")
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "hf_paged.serve", "serve", str(folder), "--served-model-name", MODEL, "--host",
+    stem = str(folder.parent / "answer")
+    command = [sys.executable, "-c", SERVER, "serve", str(folder), "--served-model-name", MODEL, "--host",
                "127.0.0.1", "--port", str(port), "--num-blocks", "2048", "--log-level", "warning"]  # fmt: skip
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=os.environ.copy())
+    env = {**os.environ, "HF_PAGED_SOAK_STEM": stem, **({"HF_PAGED_SOAK_TRACE": "1"} if args.trace else {})}
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env)
+    snapshots, counts = [], {}
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + (600 if args.trace else 120)  # tracemalloc slows the imports down
         while True:
             try:
                 if httpx.get(f"{base}/health", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
-            if server.poll() is not None or time.monotonic() > deadline:
+            if server.poll() is not None:
+                raise SystemExit(f"the server exited with status {server.returncode}: {' '.join(command)}")
+            if time.monotonic() > deadline:
                 raise SystemExit("the server did not start")
             time.sleep(0.3)
         count, lock, stop = [0], threading.Lock(), threading.Event()
@@ -124,12 +205,20 @@ def main() -> None:
             time.sleep(0.2)
             if count[0] >= next_read:
                 rows.append((count[0], time.monotonic() - start, resident_mib(server.pid)))
-                print(f"{rows[-1][0]:,} requests, {rows[-1][1]:.0f} s: server RSS {rows[-1][2]:.1f} MiB", flush=True)
+                in_use, held = heap_mib(ask(server, stem, "malloc", counts))
+                print(f"{rows[-1][0]:,} requests, {rows[-1][1]:.0f} s: server RSS {rows[-1][2]:.1f} MiB (malloc: "
+                      f"{in_use:.1f} MiB in use, {held:.1f} MiB free but held)", flush=True)  # fmt: skip
+                if args.trace and not snapshots:
+                    snapshots.append(tracemalloc.Snapshot.load(str(ask(server, stem, "trace", counts))))
                 next_read += args.every
         stop.set()
         time.sleep(1)
         rows.append((count[0], time.monotonic() - start, resident_mib(server.pid)))
+        heaps = heap_mib(ask(server, stem, "malloc", counts)), heap_mib(ask(server, stem, "trim", counts))
+        trimmed = resident_mib(server.pid)
         metrics = httpx.get(f"{base}/metrics", timeout=5).text
+        if snapshots:
+            snapshots.append(tracemalloc.Snapshot.load(str(ask(server, stem, "trace", counts))))
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -139,6 +228,11 @@ def main() -> None:
         per_request = (rss1 - rss0) * 2**20 / max(n1 - n0, 1)
         print(f"server RSS after the warm-up ({n0:,} requests): {rss0:.1f} MiB; at the end: {rss1:.1f} MiB "
               f"({rss1 - rss0:+.1f} MiB over {n1 - n0:,} requests, {per_request:+.1f} bytes a request)")  # fmt: skip
+        (in_use, held), (_, held_after) = heaps
+        print(f"at the end, malloc: {in_use:.1f} MiB in use, {held:.1f} MiB free but held; after malloc_trim(0): "
+              f"{held_after:.1f} MiB held, server RSS {trimmed:.1f} MiB")  # fmt: skip
+    if len(snapshots) == 2:
+        print_growth(*snapshots)
     for line in metrics.splitlines():
         if line.endswith(("_count", "_sum")) or "_seconds_count " in line or "_seconds_sum " in line:
             print(line)

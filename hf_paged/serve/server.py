@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -72,6 +74,13 @@ def create_app(
         )
 
     token_text = TokenTexts(engine.tokenizer)
+    # One thread tokenizes every prompt. Called from one thread, the fast (Rust) tokenizer's native memory levels off
+    # once its cache of words seen is full (~2 MiB); spread over the default executor's threads, it kept growing by
+    # ~400 bytes for every prompt holding a word not seen before (docs/benchmarks.md, "Memory over many requests").
+    tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_paged-tokenizer")
+
+    async def on_tokenizer_thread(function, *args):
+        return await asyncio.get_running_loop().run_in_executor(tokenizer_thread, functools.partial(function, *args))
 
     @app.exception_handler(APIError)
     async def api_error(_, error: APIError):
@@ -152,10 +161,11 @@ def create_app(
         _check(body)
         if isinstance(body.prompt, str):  # token ids are checked against the context below, before submitting
             encoder.check_evident_length(len(body.prompt), "prompt")
-        prompt_ids = await asyncio.to_thread(encoder.encode, body.prompt)
+        prompt_ids = await on_tokenizer_thread(encoder.encode, body.prompt)
         echo = ""
         if body.echo:
-            echo = body.prompt if isinstance(body.prompt, str) else await asyncio.to_thread(_decode, engine, prompt_ids)
+            text = isinstance(body.prompt, str)
+            echo = body.prompt if text else await on_tokenizer_thread(_decode, engine, prompt_ids)
         reply = Reply(body.model, False, token_text, body.logprobs, echo, body.include_usage)
         return await _serve(loop, body, prompt_ids, reply, request, body.logprobs, adapter)
 
@@ -166,7 +176,7 @@ def create_app(
         _check(body)
         messages = [{"role": m.role, "content": message_text(m)} for m in body.messages]
         encoder.check_evident_length(sum(len(m["content"]) for m in messages), "messages")
-        prompt_ids = await asyncio.to_thread(_chat_ids, encoder, messages)
+        prompt_ids = await on_tokenizer_thread(_chat_ids, encoder, messages)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         reply = Reply(body.model, True, token_text, logprobs, include_usage=body.include_usage)
         return await _serve(loop, body, prompt_ids, reply, request, logprobs, adapter)
