@@ -124,10 +124,14 @@ def main() -> None:
         "merged": (
             "Engine, one adapter merged",
             lambda: run_engine(
-                merged(model, adapters["adapter0"]), requests, [None] * len(requests), {}, args.budget_tokens,
+                merged(model, adapters["adapter0"]),
+                requests,
+                [None] * len(requests),
+                {},
+                args.budget_tokens,
                 args.block_size,
             ),
-        ),  # fmt: skip
+        ),
         "peft": (
             "PEFT generate per adapter, static batches",
             lambda: run_peft_static(model, requests, names, adapters, args.budget_tokens),

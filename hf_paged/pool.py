@@ -341,8 +341,9 @@ def _num_blocks_for_budget(kv_shape: KVShape, block_size: int, budget_bytes: int
     return num_blocks
 
 
-def _default_budget(model: torch.nn.Module, config: PagedCacheConfig) -> tuple[int, str]:
-    device = next(model.parameters()).device
+def _default_budget(device: torch.device, config: PagedCacheConfig) -> tuple[int, str]:
+    """The KV budget without `num_blocks` or `max_memory`: on CUDA a fraction of the device's free memory, read when
+    the pool is made (so after the weights are on the device); elsewhere a fixed budget."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         fraction = config.memory_fraction or DEFAULT_GPU_MEMORY_FRACTION
@@ -383,7 +384,7 @@ def _size_pool(model: torch.nn.Module, config: PagedCacheConfig, layout: KVLayou
     if config.max_memory is not None:
         budget, source = config.max_memory, f"max_memory={config.max_memory}"
     else:
-        budget, source = _default_budget(model, config)
+        budget, source = _default_budget(next(model.parameters()).device, config)
         num_blocks = _num_blocks_for_budget(kv_shape, block_size, budget, source)
         return min(num_blocks, DEFAULT_MAX_BLOCKS), block_size, kv_shape
     num_blocks = _num_blocks_for_budget(kv_shape, block_size, budget, source)

@@ -135,6 +135,31 @@ def test_decode_steps_read_the_blocks_in_place_and_match_stock():
     assert calls == {"gather": 2, "cpu": 14}  # the left-padded prefill gathers; 7 decode steps x 2 layers in place
 
 
+def test_block_tables_are_built_once_per_forward_not_per_layer(monkeypatch):
+    """A kernel's int32 block tables and lengths are made (and copied to the device) once per forward and layer
+    group, however many layers read them."""
+    import hf_paged
+    from hf_paged import batch
+    from hf_paged.reference_models import tiny_model
+
+    from .conftest import left_padded_batch
+
+    built = []
+    live_blocks = batch._live_blocks
+
+    def counting(tables, device, dtype=torch.long):
+        built.append(dtype)
+        return live_blocks(tables, device, dtype)
+
+    monkeypatch.setattr(batch, "_live_blocks", counting)
+    model = tiny_model("llama", num_hidden_layers=4)
+    input_ids, attention_mask = left_padded_batch([5, 11, 8], seed=4)
+    _, calls = paged_generate(model, input_ids, attention_mask, "cpu")
+    assert calls["cpu"] == 7 * 4  # 7 decode steps x 4 layers read in place
+    assert built.count(torch.int32) == 7, built
+    assert hf_paged.get_pool(model).stats().num_used == 0
+
+
 def test_a_mask_with_a_hole_is_not_read_in_place():
     # a zero inside a row's mask: stock never attends to that position; a kernel reading "every token of the row"
     # would. The mask check sends those decode steps to the gather path, which follows the mask.

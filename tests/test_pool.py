@@ -43,6 +43,26 @@ def test_default_cpu_budget(model):
     assert DEFAULT_CPU_KV_BYTES // (smollm2_shaped.bytes_per_token * 16) == 1456  # 23k tokens of SmolLM2 KV
 
 
+def test_default_cuda_budget_is_a_fraction_of_free_device_memory(monkeypatch):
+    """On CUDA the default pool takes `memory_fraction` (0.9) of the memory free when it is made, not of the total:
+    the weights already loaded are not counted twice. The device's answer is simulated here (no GPU)."""
+    from hf_paged.pool import _default_budget
+
+    asked = []
+
+    def mem_get_info(device):
+        asked.append(device)
+        return 6 * 2**30, 80 * 2**30  # (free, total) bytes, as torch.cuda.mem_get_info answers
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    cuda = torch.device("cuda", 1)
+    assert _default_budget(cuda, PagedCacheConfig()) == (int(6 * 2**30 * 0.9), "90% of free CUDA memory")
+    assert _default_budget(cuda, PagedCacheConfig(memory_fraction=0.5)) == (3 * 2**30, "50% of free CUDA memory")
+    assert asked == [cuda, cuda]
+    cpu_budget = _default_budget(torch.device("cpu"), PagedCacheConfig())
+    assert cpu_budget == (DEFAULT_CPU_KV_BYTES, "the default CPU KV budget")
+
+
 def test_idle_pool_is_rebuilt_for_new_options_but_busy_pool_is_not(model):
     first = get_pool(model, block_size=4, num_blocks=16)
     second = get_pool(model, block_size=8)
