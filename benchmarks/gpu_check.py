@@ -1,18 +1,26 @@
 """One command for a CUDA device: exactness of every available paged-attention backend, decode speed against
 `DynamicCache` and `StaticCache`, the Engine against transformers' continuous batching, peak memory; one markdown
-table per part, printed as each part ends (so a run cut short still reports what it measured).
+table `| part | case | result | verdict |` for the whole run, each row printed as soon as it is measured (so a run
+cut short still shows every row it measured).
 
 Parts (sized to stay under 8 minutes on one H100/H200-class GPU with the defaults; not yet timed on one):
 
 1. **kernels**: every backend that runs here (`gather`, `triton`, `flash`) against the gather reference on random
    block tables (block sizes 16, 32, 256; GQA; windows; softcap; mixed query counts), fp32 and bf16: max abs error.
-2. **exactness**: tiny Llama and Gemma2 (sliding window + softcap) `generate` through each backend vs `DynamicCache`:
-   greedy and beam-search tokens equal in fp32; in bf16 the max abs difference of the first step's scores.
+   Verdict `ok` within `KERNEL_TOLERANCE` (fp32 1e-5, bf16 2e-2), else `FAIL`; `n/a` where the backend cannot run
+   the case (the result says why).
+2. **exactness**: tiny Llama and Gemma2 (sliding window + softcap) `generate` through each backend vs `DynamicCache`,
+   greedy and beam search. fp32: `ok` only if the tokens are equal. bf16: tokens may differ (reported), the verdict
+   is on the first step's scores, `ok` when their max abs difference is within `BF16_SCORES_TOLERANCE` (2e-2).
 3. **decode**: decode tokens/s of a random-weight Llama (`--layers`, `--hidden`; bf16) at batch 1/8/32 x context
    512..8192: paged (`kernel="auto"`) vs `DynamicCache` vs `StaticCache` (not compiled), and the peak CUDA memory
-   each run added to the weights (cache, activations).
+   each run added to the weights (cache, activations). Verdict: paged's speed over DynamicCache's, no pass/fail.
 4. **serving**: the Engine vs `generate_batch` (transformers' continuous batching, flash-attn 2 where installed,
-   else SDPA) on the ShareGPT-like workload of benchmarks/engine_throughput.py: tokens/s, peak memory.
+   else SDPA) on the ShareGPT-like workload of benchmarks/engine_throughput.py: tokens/s, peak memory. Verdict: the
+   Engine's speed over generate_batch's, no pass/fail.
+
+Each part opens with a `setup` row (what it measures, on what) and ends with a `wall time` row; a part that raises
+prints one `failed` row (verdict `FAIL`) and the next part still runs.
 
 Usage: python benchmarks/gpu_check.py [--parts kernels exactness decode serving] [--contexts 512 2048 8192]
        [--batches 1 8 32] [--decode-tokens 32] [--requests 200]
@@ -28,12 +36,29 @@ import importlib
 import math
 import sys
 import time
+from collections.abc import Callable, Iterator
 
 import torch
 
 NO_DEVICE = "no CUDA device: benchmarks/gpu_check.py measures the GPU backends and needs one (see docs/gpu.md)"
 PARTS = ("kernels", "exactness", "decode", "serving")
 DEVICE = "cuda"  # `--device cpu`: a smoke run of the script's own logic on tiny shapes (tests/test_gpu_check.py)
+HEADER = ("part", "case", "result", "verdict")
+NO_VERDICT = "-"
+# Max abs error of a backend's attention output against the fp32 gather reference. fp32: the repo's tolerance for
+# every in-place kernel (tests/test_triton.py TOLERANCE). bf16: the repo's bf16 tolerance for the same comparison
+# (tests/test_triton.py test_half_precision_storage, tests/test_kernels.py TOLERANCE). Outputs here reach ~3.5 in
+# magnitude, where bf16 values are 2**-6 = 1.6e-2 apart, so this is about one bf16 step of the output (the Triton
+# kernel under the interpreter, fp32 products: 1.3e-2 to 1.5e-2 on these cases); a wrong mask, table or softmax is
+# off by 1e-1 or more.
+KERNEL_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+# Max abs difference of the first step's scores (fp32 logits or log-probabilities) between a paged `generate` and
+# DynamicCache's, in bf16: the repo's bf16 tolerance again. The tiny models' logits stay below 1 in magnitude (bf16
+# spacing <= 2**-8), so this is a few roundings in the last layer; measured on the CPU (Triton interpreted, the CPU
+# kernel): 2e-3 to 5e-3.
+BF16_SCORES_TOLERANCE = 2e-2
+
+Cells = tuple[str, str, str]  # (case, result, verdict): one row of a part
 
 
 def synchronize() -> None:
@@ -54,10 +79,34 @@ def peak_gib(device: str, baseline: int = 0) -> float:
     return (torch.cuda.max_memory_allocated() - baseline) / 2**30 if device == "cuda" else float("nan")
 
 
-def markdown_table(headers: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
-    return "\n".join(lines)
+def table_row(*cells: object) -> str:
+    """One markdown table row; `|` in a cell is escaped and line breaks become spaces, so that every row has as many
+    cells as `HEADER`."""
+    return "| " + " | ".join(str(cell).replace("|", "\\|").replace("\n", " ") for cell in cells) + " |"
+
+
+def within(error: float, tolerance: float) -> str:
+    """`ok` when `error <= tolerance`, else `FAIL` (NaN fails)."""
+    return "ok" if error <= tolerance else "FAIL"
+
+
+def exactness_verdict(dtype: torch.dtype, tokens_equal: bool, scores_diff: float) -> str:
+    """fp32: `ok` only when the tokens are equal. Half precision: `ok` when the first step's scores differ by at most
+    `BF16_SCORES_TOLERANCE` (rounding may flip a near-tie, so the tokens may differ)."""
+    if dtype == torch.float32:
+        return "ok" if tokens_equal else "FAIL"
+    return within(scores_diff, BF16_SCORES_TOLERANCE)
+
+
+def speed_ratio(system: str, rate: float | None, baseline: str, baseline_rate: float | None) -> str:
+    """`"paged 1.42x DynamicCache"`: `system`'s tokens/s over `baseline`'s; `n/a` when either did not run."""
+    if not rate or not baseline_rate:
+        return "n/a"
+    return f"{system} {rate / baseline_rate:.2f}x {baseline}"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
 
 def version(module: str) -> str:
@@ -111,45 +160,69 @@ def random_call(seed, lengths, counts, kv_heads, group, head_dim, block_size, dt
     return query, key_cache, value_cache, tables.to(device), lengths.to(device), starts.to(device)
 
 
-def kernel_part(names: list[str], scale: float = 1.0) -> str:
-    from hf_paged.kernels import flash, in_place_backend
+KERNEL_CASES = [  # (lengths, query counts, group, window, softcap); 2 KV heads, head_dim 128
+    ([4000, 700, 33], [1, 1, 1], 4, None, None),
+    ([4000, 700, 33], [1, 1, 1], 8, 1024, 30.0),
+    ([1500, 300, 64], [512, 17, 64], 2, None, None),
+    ([1500, 300, 64], [512, 17, 64], 4, 257, 50.0),
+]
+
+
+def kernel_error(backend, dtype: torch.dtype, block_size: int, scale: float) -> float | None:
+    """The max abs error of `backend` against the fp32 gather reference over `KERNEL_CASES` (lengths times `scale`);
+    `None` when the backend refuses the tensors."""
     from hf_paged.kernels.reference import gather_paged_attention
 
-    cases = [  # (lengths, counts, group, window, softcap)
-        ([4000, 700, 33], [1, 1, 1], 4, None, None),
-        ([4000, 700, 33], [1, 1, 1], 8, 1024, 30.0),
-        ([1500, 300, 64], [512, 17, 64], 2, None, None),
-        ([1500, 300, 64], [512, 17, 64], 4, 257, 50.0),
-    ]
-    rows = []
+    worst = 0.0
+    for seed, (lengths, counts, group, window, softcap) in enumerate(KERNEL_CASES):
+        lengths = [max(1, int(n * scale)) for n in lengths]
+        counts = [min(max(1, int(c * scale)), n) for c, n in zip(counts, lengths)]
+        call = random_call(seed, lengths, counts, 2, group, 128, block_size, dtype, DEVICE)
+        if not backend.supports(call[0], call[1]):
+            return None
+        out = backend.attention(*call, 128**-0.5, window, softcap, None)
+        floats = [t.float() if t.is_floating_point() else t for t in call]
+        want = gather_paged_attention(*floats, 128**-0.5, window, softcap)
+        worst = max(worst, (out.float() - want).abs().max().item())
+    return worst
+
+
+def kernel_part(names: list[str], scale: float = 1.0) -> Iterator[Cells]:
+    from hf_paged.kernels import flash, in_place_backend
+
+    tolerances = ", ".join(f"{dtype_name(dtype)} {tolerance:.0e}" for dtype, tolerance in KERNEL_TOLERANCE.items())
+    yield (
+        "setup",
+        f"each in-place backend vs the fp32 gather reference, {len(KERNEL_CASES)} random calls per row (GQA 2-8, "
+        f"windows, softcap, mixed query counts, head_dim 128): max abs error; ok within {tolerances}",
+        NO_VERDICT,
+    )
     for name in names[1:]:
         backend = in_place_backend(name)
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype, tolerance in KERNEL_TOLERANCE.items():
             for block_size in (16, 32, 256):
-                worst = 0.0
-                ran = True
-                for seed, (lengths, counts, group, window, softcap) in enumerate(cases):
-                    lengths = [max(1, int(n * scale)) for n in lengths]
-                    counts = [min(max(1, int(c * scale)), n) for c, n in zip(counts, lengths)]
-                    call = random_call(seed, lengths, counts, 2, group, 128, block_size, dtype, DEVICE)
-                    if not backend.supports(call[0], call[1]) or (name == "flash" and dtype == torch.float32):
-                        ran = False
-                        break
-                    out = backend.attention(*call, 128**-0.5, window, softcap, None)
-                    floats = [t.float() if t.is_floating_point() else t for t in call]
-                    want = gather_paged_attention(*floats, 128**-0.5, window, softcap)
-                    worst = max(worst, (out.float() - want).abs().max().item())
-                if name == "flash" and not flash.accepts_block_size(block_size):
-                    ran = False
-                rows.append([name, str(dtype).removeprefix("torch."), block_size, f"{worst:.2e}" if ran else "n/a"])
-    return markdown_table(["backend", "dtype", "block size", "max abs error vs reference"], rows)
+                case = f"{name} {dtype_name(dtype)}, block {block_size}"
+                if name == "flash" and dtype == torch.float32:
+                    yield case, "not run: flash-attn takes no fp32", "n/a"
+                elif name == "flash" and not flash.accepts_block_size(block_size):
+                    yield case, f"not run: flash-attn reads blocks of a multiple of {flash.BLOCK_MULTIPLE}", "n/a"
+                elif (error := kernel_error(backend, dtype, block_size, scale)) is None:
+                    yield case, f"not run: {name}.supports() refuses these tensors", "n/a"
+                else:
+                    yield case, f"max abs error {error:.2e}", within(error, tolerance)
 
 
 # ---------------------------------------------------------------------- 2. generate vs DynamicCache
-def exactness_part(names: list[str], new_tokens: int = 24) -> str:
+def exactness_part(names: list[str], new_tokens: int = 24) -> Iterator[Cells]:
     from hf_paged.reference_models import tiny_model
 
-    rows = []
+    yield (
+        "setup",
+        f"tiny Llama and Gemma2 (sliding window + softcap) generate {new_tokens} tokens, batch of 3, through each "
+        f"backend vs DynamicCache; ok: fp32 tokens equal, bf16 first-step scores max diff <= "
+        f"{BF16_SCORES_TOLERANCE:.0e}",
+        NO_VERDICT,
+    )
     for family in ("llama", "gemma2"):
         for dtype in (torch.float32, torch.bfloat16):
             model = tiny_model(family).to(DEVICE, dtype)
@@ -170,12 +243,13 @@ def exactness_part(names: list[str], new_tokens: int = 24) -> str:
                     out.past_key_values.release()
                     same = torch.equal(out.sequences, stock.sequences)
                     first = (out.scores[0].float() - stock.scores[0].float()).abs().max().item()
-                    rows.append(
-                        [family, str(dtype).removeprefix("torch."), name, "beam 4" if beams > 1 else "greedy",
-                         "yes" if same else "NO", f"{first:.2e}", calls]
-                    )  # fmt: skip
-    headers = ["model", "dtype", "kernel", "search", "tokens equal", "first-step scores max diff", "calls"]
-    return markdown_table(headers, rows)
+                    search = "beam 4" if beams > 1 else "greedy"
+                    yield (
+                        f"{family} {dtype_name(dtype)}, {name} block {block_size}, {search}",
+                        f"tokens equal: {'yes' if same else 'NO'}; first-step scores max diff {first:.2e}; "
+                        f"calls {calls}",
+                        exactness_verdict(dtype, same, first),
+                    )
 
 
 # ---------------------------------------------------------------------- 3. decode speed
@@ -221,9 +295,20 @@ def decode_rate(model, batch: int, context: int, new_tokens: int, **options) -> 
     return batch * (len(starts) - 1) / (end - starts[1]), peak
 
 
-def decode_part(args) -> str:
+def decode_part(args) -> Iterator[Cells]:
     model = medium_llama(args.layers, args.hidden)
-    rows = []
+    kernel = "auto"
+    with contextlib.suppress(Exception):
+        from hf_paged.kernels import resolve_kernel
+
+        kernel = resolve_kernel("auto", DEVICE, args.block_size).backend
+    yield (
+        "setup",
+        f"Llama {args.layers} layers x {args.hidden} ({dtype_name(next(model.parameters()).dtype)}, random weights), "
+        f"{args.decode_tokens} new tokens, paged block size {args.block_size} (kernel {kernel}); each system: decode "
+        "tokens/s, peak GiB added to the weights",
+        NO_VERDICT,
+    )
     for context in args.contexts:
         for batch in args.batches:
             tokens = batch * (context + args.decode_tokens)
@@ -231,36 +316,22 @@ def decode_part(args) -> str:
                 "cache_implementation": "paged",
                 "cache_config": {"block_size": args.block_size, "num_blocks": tokens // args.block_size + 4 * batch},
             }
-            systems = {
-                "paged": paged,
-                "DynamicCache": {},
-                "StaticCache": {"cache_implementation": "static"},
-            }
-            cells = []
-            for options in systems.values():
+            systems = {"paged": paged, "DynamicCache": {}, "StaticCache": {"cache_implementation": "static"}}
+            rates, cells = {}, []
+            for system, options in systems.items():
                 try:
-                    rate, peak = decode_rate(model, batch, context, args.decode_tokens, **options)
-                    cells.append(f"{rate:,.0f} tok/s, {peak:.1f} GiB")
+                    rates[system], peak = decode_rate(model, batch, context, args.decode_tokens, **options)
+                    cells.append(f"{system} {rates[system]:,.0f} tok/s ({peak:.1f} GiB)")
                 except torch.OutOfMemoryError:
-                    cells.append("out of memory")
+                    cells.append(f"{system} out of memory")
                 if DEVICE == "cuda":
                     torch.cuda.empty_cache()
-            rows.append([batch, context, *cells])
-    kernel = "auto"
-    with contextlib.suppress(Exception):
-        from hf_paged.kernels import resolve_kernel
-
-        kernel = resolve_kernel("auto", DEVICE, args.block_size).backend
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    title = (
-        f"decode, Llama {args.layers} layers x {args.hidden} ({dtype}, random weights), {args.decode_tokens} new "
-        f"tokens, paged block size {args.block_size} (kernel {kernel})"
-    )
-    return title + "\n\n" + markdown_table(["batch", "context", "paged", "DynamicCache", "StaticCache"], rows)
+            verdict = speed_ratio("paged", rates.get("paged"), "DynamicCache", rates.get("DynamicCache"))
+            yield f"batch {batch}, context {context}", "; ".join(cells), verdict
 
 
 # ---------------------------------------------------------------------- 4. serving
-def serving_part(args) -> str:
+def serving_part(args) -> Iterator[Cells]:
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from engine_throughput import run_generate_batch, workload
 
@@ -269,7 +340,12 @@ def serving_part(args) -> str:
     model = medium_llama(args.layers, args.hidden)
     requests = workload(args.requests, args.scale, 2048, model.config.vocab_size)
     budget = args.budget_tokens
-    rows = []
+    yield (
+        "setup",
+        f"{args.requests} ShareGPT-like requests, KV budget {budget} tokens, Llama {args.layers} layers x "
+        f"{args.hidden} (random weights), block size {args.block_size}; each system: tokens/s, wall s, peak GiB",
+        NO_VERDICT,
+    )
     engine = hf_paged.Engine(model, block_size=args.block_size, num_blocks=budget // args.block_size, progress=False)
     params = [hf_paged.SamplingParams(max_new_tokens=n, eos_token_id=()) for _, n in requests]
     reset_peak()
@@ -277,27 +353,42 @@ def serving_part(args) -> str:
     outputs = engine.generate([p for p, _ in requests], params)
     synchronize()
     elapsed = time.perf_counter() - start
-    generated = sum(len(o.token_ids) for o in outputs)
-    name = f"hf_paged Engine (kernel {engine.cache.kernel.backend})"
-    rows.append([name, f"{generated / elapsed:,.0f}", f"{elapsed:.1f}", f"{peak_gib(DEVICE):.1f}"])
+    engine_rate = sum(len(o.token_ids) for o in outputs) / elapsed
+    case = f"hf_paged Engine (kernel {engine.cache.kernel.backend})"
     engine.close()
+    yield case, f"{engine_rate:,.0f} tok/s, {elapsed:.1f} s, {peak_gib(DEVICE):.1f} GiB", NO_VERDICT
     hf_paged.disable()  # transformers' own continuous batching, untouched
     if version("flash_attn") != "not installed":
         model.set_attn_implementation("flash_attention_2")
-    attention = model.config._attn_implementation
+    case = f"generate_batch ({model.config._attn_implementation})"
     reset_peak()
     try:
         elapsed, generated, *_ = run_generate_batch(model, requests, budget, args.block_size)
-        rows.append(
-            [f"generate_batch ({attention})", f"{generated / elapsed:,.0f}", f"{elapsed:.1f}",
-             f"{peak_gib(DEVICE):.1f}"]
-        )  # fmt: skip
-    except Exception as error:  # noqa: BLE001 (report it in the table, keep the rest)
-        rows.append([f"generate_batch ({attention})", f"failed: {type(error).__name__}: {error}"[:120], "-", "-"])
+    except Exception as error:  # noqa: BLE001 (the baseline failing is reported; the Engine's row stands)
+        yield case, f"failed: {type(error).__name__}: {error}"[:200], "n/a"
+        return
     finally:
         hf_paged.enable()
-    title = f"serving, {args.requests} ShareGPT-like requests, KV budget {budget} tokens"
-    return title + "\n\n" + markdown_table(["system", "tokens/s", "wall s", "peak GiB"], rows)
+    rate = generated / elapsed
+    result = f"{rate:,.0f} tok/s, {elapsed:.1f} s, {peak_gib(DEVICE):.1f} GiB"
+    yield case, result, speed_ratio("Engine", engine_rate, "generate_batch", rate)
+
+
+def run_parts(parts: dict[str, Callable[[], Iterator[Cells]]]) -> None:
+    """Print the table: the header, then each part's rows as they come (flushed), its wall time, or one `failed`
+    row when it raises (the next part still runs)."""
+    print(table_row(*HEADER))
+    print("|" + "---|" * len(HEADER), flush=True)
+    for part, rows in parts.items():
+        start = time.perf_counter()
+        try:
+            for cells in rows():
+                print(table_row(part, *cells), flush=True)
+        except Exception as error:  # noqa: BLE001 (one failing part must not hide the others)
+            failed = f"failed after {time.perf_counter() - start:.0f} s"
+            print(table_row(part, failed, f"{type(error).__name__}: {error}"[:300], "FAIL"), flush=True)
+            continue
+        print(table_row(part, "wall time", f"{time.perf_counter() - start:.0f} s", NO_VERDICT), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -325,23 +416,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.block_size is None:
         args.block_size = 256 if "flash" in names else 16
     print(f"# gpu_check\n\n{environment()}; backends: {', '.join(names)}\n", flush=True)
-    steps = {
-        "kernels": ("kernels vs the gather reference", lambda: kernel_part(names, 1.0 if DEVICE == "cuda" else 0.01)),
-        "exactness": (
-            "generate vs DynamicCache (tiny models)",
-            lambda: exactness_part(names, 24 if DEVICE == "cuda" else 3),
-        ),
-        "decode": ("decode speed", lambda: decode_part(args)),
-        "serving": ("serving", lambda: serving_part(args)),
+    on_cuda = DEVICE == "cuda"
+    parts = {
+        "kernels": lambda: kernel_part(names, 1.0 if on_cuda else 0.01),
+        "exactness": lambda: exactness_part(names, 24 if on_cuda else 3),
+        "decode": lambda: decode_part(args),
+        "serving": lambda: serving_part(args),
     }
-    for part in args.parts:
-        title, run = steps[part]
-        start = time.perf_counter()
-        try:
-            table = run()
-        except Exception as error:  # noqa: BLE001 (one failing part must not hide the others)
-            table = f"failed: {type(error).__name__}: {error}"
-        print(f"## {title} ({time.perf_counter() - start:.0f} s)\n\n{table}\n", flush=True)
+    run_parts({part: parts[part] for part in args.parts})
     return 0
 
 
