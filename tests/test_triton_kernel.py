@@ -12,6 +12,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -97,3 +98,24 @@ def test_the_kernel_compiles_for_a_cuda_gpu_for_every_page_format(tmp_path):
     results = compile_variants(VARIANTS, tmp_path)
     failures = [f"{variant}: {error}" for variant, (size, error) in zip(VARIANTS, results, strict=True) if not size]
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 32, 256])
+def test_the_compiled_kernel_on_the_device_matches_the_reference(dtype, block_size):
+    """On a CUDA device the kernel runs compiled (tests/test_triton.py runs it interpreted on the CPU only)."""
+    from hf_paged import kernels
+    from hf_paged.kernels.reference import gather_paged_attention
+
+    from .test_kernels import TOLERANCE, random_call
+
+    for seed, (lengths, counts, group, window, softcap) in enumerate(
+        [([300, 17, 64], [1, 1, 1], 4, None, None), ([300, 70, 64], [40, 17, 64], 2, 33, 30.0)]
+    ):
+        call = random_call(seed, lengths, counts, group=group, head_dim=128, block_size=block_size, dtype=dtype)
+        call = [tensor.cuda() for tensor in call]
+        out = kernels.paged_attention(*call, scale=128**-0.5, window=window, softcap=softcap, kernel="triton")
+        floats = [tensor.float() if tensor.is_floating_point() else tensor for tensor in call]
+        want = gather_paged_attention(*floats, 128**-0.5, window, softcap)
+        assert (out.float() - want).abs().max().item() <= TOLERANCE[dtype]
