@@ -17,7 +17,9 @@ front, engine-core and worker processes), which on a machine shared with other w
 while waiting count too).
 
 - Engine: `hf_paged.Engine(model, block_size=16, num_blocks=budget // 16)` with its default settings (batch size,
-  prefill chunking, kernel), no tokenizer.
+  prefill chunking, kernel), no tokenizer; once per `--engine-cpu-linear`: `stock` (the default: torch's
+  `nn.Linear`) and `onednn` (`cpu_linear="onednn"`: weights packed for oneDNN's matmul, as vLLM's CPU backend
+  multiplies).
 - vLLM: `LLM(<fp32 safetensors copy of the same model>, dtype="float32", block_size=32,
   num_gpu_blocks_override=budget // 32 + 1)` (the extra block is vLLM's null block, which holds no K/V) with its
   other defaults (inductor compilation, prefix caching, chunked prefill, `max_num_seqs`, `max_num_batched_tokens`);
@@ -184,10 +186,14 @@ class VllmSide:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+def engine_name(cpu_linear: str) -> str:
+    return "hf_paged Engine" if cpu_linear == "stock" else f"hf_paged Engine, cpu_linear={cpu_linear}"
+
+
 class EngineSide:
     """hf_paged's Engine over the same workload, with its defaults, in this process."""
 
-    def __init__(self, model, requests, warmup, budget_tokens: int, threads: int):
+    def __init__(self, model, requests, warmup, budget_tokens: int, threads: int, cpu_linear: str = "stock"):
         import torch
 
         import hf_paged
@@ -195,7 +201,11 @@ class EngineSide:
         self.hf_paged, self.requests = hf_paged, requests
         torch.set_num_threads(threads)
         self.engine = hf_paged.Engine(
-            model, block_size=ENGINE_BLOCK_SIZE, num_blocks=budget_tokens // ENGINE_BLOCK_SIZE, progress=False
+            model,
+            block_size=ENGINE_BLOCK_SIZE,
+            num_blocks=budget_tokens // ENGINE_BLOCK_SIZE,
+            progress=False,
+            cpu_linear=cpu_linear,
         )
         if warmup:
             self.generate(warmup)
@@ -208,6 +218,10 @@ class EngineSide:
         return elapsed, [list(o.token_ids) for o in outputs], cpu
 
     def run(self, index: int) -> tuple[float, list[list[int]], float]:
+        from hf_paged.cpu_linear import pack_linears, unpack_linears
+
+        # several sides share the model: give it the layers this one runs with
+        (pack_linears if self.engine.cpu_linear == "onednn" else unpack_linears)(self.engine.model)
         return self.generate(self.requests)
 
     @property
@@ -216,7 +230,8 @@ class EngineSide:
         kernel = getattr(getattr(self.engine.cache, "kernel", None), "backend", "-")
         return (
             f"max_batch_size {scheduler.max_batch_size}, max_num_batched_tokens {scheduler.max_num_batched_tokens}, "
-            f"{stats.num_steps} steps, {stats.preemptions} preemptions, kernel {kernel}"
+            f"{stats.num_steps} steps, {stats.preemptions} preemptions, kernel {kernel}, cpu_linear "
+            f"{self.engine.cpu_linear}"
         )
 
     def close(self) -> None:
@@ -252,6 +267,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4, help="untimed requests each side generates first")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per side, interleaved; the best is shown")
     parser.add_argument("--systems", nargs="+", default=["engine", "vllm"], choices=["engine", "vllm"])
+    parser.add_argument(
+        "--engine-cpu-linear",
+        nargs="+",
+        default=["stock", "onednn"],
+        choices=["stock", "onednn"],
+        help="the Engine's cpu_linear settings, one row each",
+    )
     parser.add_argument("--log", default=None, help="file for vLLM's own output (default: a temp file)")
     parser.add_argument("--vllm-worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -289,12 +311,14 @@ def main() -> None:
                     args.vllm_python, model_path, requests, warmup, args.budget_tokens, threads, log_path
                 )
             if "engine" in args.systems:
-                sides["hf_paged Engine"] = EngineSide(model, requests, warmup, args.budget_tokens, used)
+                for cpu_linear in args.engine_cpu_linear:
+                    sides[engine_name(cpu_linear)] = EngineSide(
+                        model, requests, warmup, args.budget_tokens, used, cpu_linear
+                    )
             runs = {name: [] for name in sides}
             for index in range(args.repeats):  # interleaved, so that both see the machine's load alike
-                for name in ["hf_paged Engine", "vLLM CPU"]:
-                    if name in sides:
-                        runs[name].append(sides[name].run(index))
+                for name in sides:
+                    runs[name].append(sides[name].run(index))
             notes = {name: side.notes for name, side in sides.items()}
         finally:
             for side in sides.values():
@@ -302,11 +326,11 @@ def main() -> None:
         best = {name: min(results, key=lambda r: r[0]) for name, results in runs.items()}
         rate = {name: sum(map(len, tokens)) / elapsed for name, (elapsed, tokens, _) in best.items()}
         per_cpu = {name: sum(map(len, tokens)) / cpu for name, (_, tokens, cpu) in best.items()}
-        engine, vllm = best.get("hf_paged Engine"), best.get("vLLM CPU")
-        for name in [n for n in ["hf_paged Engine", "vLLM CPU"] if n in best]:
+        vllm = best.get("vLLM CPU")
+        for name in [n for n in sides if n != "vLLM CPU"] + [n for n in sides if n == "vLLM CPU"]:
             elapsed, tokens, cpu = best[name]
             walls = ", ".join(f"{e:.1f}" for e, *_ in runs[name])
-            ours = name == "hf_paged Engine"
+            ours = name != "vLLM CPU"
             versus = ""
             if ours and vllm:
                 versus = f"{rate[name] / rate['vLLM CPU']:.2f}x (per CPU s {per_cpu[name] / per_cpu['vLLM CPU']:.2f}x)"
@@ -319,7 +343,7 @@ def main() -> None:
                     f"{cpu:.1f}",
                     f"{per_cpu[name]:,.0f}",
                     versus,
-                    agreement(engine[1], vllm[1]) if ours and vllm else "",
+                    agreement(tokens, vllm[1]) if ours and vllm else "",
                     f"{sum(map(len, tokens))} tokens; walls {walls} s; {notes[name]}",
                 ]
             )

@@ -26,6 +26,8 @@ def test_engine_limits_are_options():
     assert build_parser().parse_args(["serve", "m"]).max_prefill_tokens == 4096
     assert build_parser().parse_args(["serve", "m"]).max_num_batched_tokens == 512
     assert build_parser().parse_args(["serve", "m", "--max-num-batched-tokens", "128"]).max_num_batched_tokens == 128
+    assert build_parser().parse_args(["serve", "m"]).cpu_linear == "stock"
+    assert build_parser().parse_args(["serve", "m", "--cpu-linear", "onednn"]).cpu_linear == "onednn"
 
 
 def test_block_size_may_be_auto():
@@ -89,6 +91,7 @@ BAD_OPTIONS = {
     "port": (["--port", "70000"], "argument --port: must be a port number in [0, 65535], got 70000"),
     "kernel": (["--kernel", "fast"], "argument --kernel: invalid choice: 'fast'"),
     "kv-dtype": (["--kv-dtype", "fp4"], "argument --kv-dtype: invalid choice: 'fp4'"),
+    "cpu-linear": (["--cpu-linear", "mkl"], "argument --cpu-linear: invalid choice: 'mkl'"),
     # int8 pages: 16 tokens x 2 layers x K and V x 2 KV heads x (16 + 2) bytes = 2,304 bytes
     "max-memory-int8": (["--max-memory", "2KiB", "--kv-dtype", "int8"],
                         "--max-memory 2KiB (2048 bytes) is less than one KV block of this model: 16 tokens x 2 layers "
@@ -133,6 +136,21 @@ def test_a_device_this_machine_lacks_is_a_usage_error(model_folder, monkeypatch,
     else:
         message = refused(["serve", str(model_folder), "--device", "cuda"], monkeypatch, capsys)
         assert message == "--device cuda: this machine has no CUDA device (torch sees none)"
+
+
+def test_packed_cpu_linears_this_torch_or_device_cannot_run_are_usage_errors(model_folder, monkeypatch, capsys):
+    import torch
+
+    from hf_paged import cpu_linear
+
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA machine: the model would go there
+        message = refused(["serve", str(model_folder), "--cpu-linear", "onednn"], monkeypatch, capsys)
+        assert message == "--cpu-linear onednn packs CPU weights, but the model goes to cuda (use stock)"
+        monkeypatch.undo()
+    monkeypatch.setattr(cpu_linear, "onednn_available", lambda: False)
+    message = refused(["serve", str(model_folder), "--cpu-linear", "onednn", "--device", "cpu"], monkeypatch, capsys)
+    assert message == f"--cpu-linear onednn: torch {torch.__version__} here has no oneDNN CPU matmul"
 
 
 def test_a_model_path_that_holds_no_model_is_a_usage_error(model_folder, tmp_path, monkeypatch, capsys):

@@ -17,6 +17,7 @@ from transformers import GenerationConfig
 from ..adapters import AdapterSet, LoraAdapter
 from ..batch_cache import BatchCache
 from ..config import ATTENTION_NAME, PagedCacheConfig
+from ..cpu_linear import check_cpu_linear, onednn_available, pack_linears, packed_linears, unpack_linears
 from ..forward import EAGER, attention_implementation, own_attention, paged_attention_for
 from ..planner import ForwardPlanner
 from ..support import check_cache_kept, prompt_learning_method
@@ -60,6 +61,9 @@ class Engine:
             a request picks one with `add_request(..., adapter=name)`.
         max_adapters (`int`): most LoRA adapters resident at once.
         max_rank (`int`): the largest LoRA rank accepted.
+        cpu_linear (`str`): `"stock"` (default) or `"onednn"`: pack the weights of the model's `nn.Linear` layers on
+            the CPU once for oneDNN's matmul, much faster at decoding's small steps on some CPUs; outputs then differ
+            from the unpacked model's by float rounding (see `hf_paged.cpu_linear`). `close()` unpacks them.
         **cache_config: pool options (`block_size`, `num_blocks`, `max_memory`, `prefix_caching`, `kernel`,
             `kv_dtype` (`"int8"`, `"int4"`: quantized pages), ...), or
             `cache_config=` a dict or `PagedCacheConfig` of them, as `generate` takes it.
@@ -95,6 +99,7 @@ class Engine:
         adapters: Mapping | None = None,
         max_adapters: int = 8,
         max_rank: int = 64,
+        cpu_linear: str = "stock",
         **cache_config,
     ):
         limits = {
@@ -110,6 +115,7 @@ class Engine:
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_batch_size "
                 f"({max_batch_size}): a step holds one token of every running request"
             )
+        _check_cpu_linear(cpu_linear, model)
         method = prompt_learning_method(model)
         if method is not None:
             raise NotImplementedError(
@@ -134,6 +140,10 @@ class Engine:
         self.scheduler = Scheduler(
             self.planner, max_batch_size, max_prefill_tokens, self.device, max_num_batched_tokens
         )
+        self.cpu_linear = cpu_linear
+        self._packed_linears = 0  # layers this engine packed (and unpacks on close)
+        if cpu_linear == "onednn" and not packed_linears(model):
+            self._packed_linears = pack_linears(model)
         self._keep_last_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._lock = threading.RLock()
         self._requests: dict[str, Request] = {}
@@ -613,6 +623,9 @@ class Engine:
             self._requests.clear()
             self.cache.detach()
             self.adapters.release_unused(())
+            if self._packed_linears:
+                unpack_linears(self.model)
+                self._packed_linears = 0
 
     def __enter__(self) -> Engine:
         return self
@@ -768,3 +781,17 @@ def _per_prompt(generation_config, count: int) -> list:
 
 
 __all__ = ["Engine", "RequestStatus"]
+
+
+def _check_cpu_linear(cpu_linear, model: torch.nn.Module) -> None:
+    """Refuse a `cpu_linear` this model or torch cannot run, before anything is built."""
+    if check_cpu_linear(cpu_linear) != "onednn":
+        return
+    device = model.get_input_embeddings().weight.device
+    if device.type != "cpu":
+        raise ValueError(f"cpu_linear='onednn' packs CPU weights, but the model is on {device}; use cpu_linear='stock'")
+    if not onednn_available():
+        raise ValueError(
+            f"cpu_linear='onednn' needs torch's oneDNN CPU matmul, which torch {torch.__version__} here lacks; use "
+            "cpu_linear='stock'"
+        )

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from ..config import parse_memory
+from ..cpu_linear import CPU_LINEARS
 from ..kernels import KERNELS
 from ..kv_format import KV_DTYPES, kv_format
 
@@ -56,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="how the pool stores K/V: auto (default: the model's dtype), int8 or int4 (quantized pages, a bfloat16 "
         "scale per token and head: about 0.52x and 0.27x the bytes of bfloat16 pages)",
+    )
+    serve.add_argument(
+        "--cpu-linear",
+        choices=CPU_LINEARS,
+        default="stock",
+        help="matmuls of the model's linear layers on a CPU: stock (default: torch's nn.Linear) or onednn (weights "
+        "packed once for oneDNN: faster decoding on many CPUs; outputs differ from stock by float rounding)",
     )
     size = serve.add_mutually_exclusive_group()
     size.add_argument("--num-blocks", type=_positive, help="KV blocks in the pool")
@@ -249,6 +257,8 @@ def check_serve_args(args) -> None:
         )
     if args.device is not None:
         _check_device(args.device)
+    if args.cpu_linear == "onednn":
+        _check_cpu_linear(args.device)
     config = _check_model_path(args.model_path, args.gguf_file)
     dims = None if config is None else _kv_dims(config)
     if args.kv_dtype is not None and dims is not None:
@@ -259,6 +269,18 @@ def check_serve_args(args) -> None:
     if args.max_memory is not None and dims is not None:
         block_size = 16 if args.block_size == "auto" else args.block_size  # "auto": at least 16 (a lower bound)
         _check_memory(args.max_memory, block_size, args.dtype, dims, args.kv_dtype or "auto")
+
+
+def _check_cpu_linear(device: str | None) -> None:
+    import torch
+
+    from ..cpu_linear import onednn_available
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.device(device).type != "cpu":
+        raise UsageError(f"--cpu-linear onednn packs CPU weights, but the model goes to {device} (use stock)")
+    if not onednn_available():
+        raise UsageError(f"--cpu-linear onednn: torch {torch.__version__} here has no oneDNN CPU matmul")
 
 
 def _check_device(name: str) -> None:
@@ -424,6 +446,7 @@ def serve(args) -> None:
             adapters=dict(args.lora),
             max_adapters=args.max_loras,
             max_rank=args.max_lora_rank,
+            cpu_linear=args.cpu_linear,
             **pool_options,
         )
     except ValueError as error:  # a pool the options cannot size (--max-memory below one block, ...)

@@ -1,0 +1,188 @@
+"""Quantization schemes for K/V pages measured before they are built: quality on SmolLM2 of each candidate next to
+the formats shipped (`kv_dtype="int8"`, `"int4"`), all in one run, with the bytes each would cost per cached token.
+
+Method: a `DynamicCache` that stores every K/V tensor as the candidate's pages would give it back (quantized and
+dequantized, in fp32), so only the storage scheme differs from unquantized pages; the metrics are kv_quant.py's,
+over the same text (Python's own documentation, `pydoc_data.topics`): perplexity over `--segments` segments of
+1,024 tokens fed in chunks of 256 (each chunk reads its predecessors' K/V back from the "pages"), and the share of
+`--prompts` greedy 64-token continuations identical to unquantized pages. fp32 weights.
+
+Schemes (`H`: the Hadamard rotation of kv_format.py; "as shipped": one bfloat16 scale per token and head, vectors
+rotated by `H`, symmetric codes):
+
+- Keys "per channel, asymmetric, group G": within each group of G consecutive tokens of a head (a block of G
+  tokens), every channel gets its own minimum and step (`(max - min) / (2**bits - 1)`), both bfloat16, and codes
+  0..2**bits-1 (KIVI's grouping of keys). The scales need the whole group, so the tokens of a group not yet full
+  stay unquantized (the open block kept in full precision until it fills). "rotated": the vectors are rotated by `H`
+  first.
+- Values: as shipped (per token).
+
+Bytes per cached token and head (head_dim 64) count codes, scales and zero points at bfloat16, vs bfloat16 pages
+(256 bytes for K and V); the full-precision open block is not counted (at most G - 1 tokens a sequence).
+
+Usage: python benchmarks/kv_quant_schemes.py [--segments 20] [--prompts 50] [--schemes NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+from common import environment, markdown_table
+from kv_quant import CHUNK, SEGMENT, english_text_ids
+from transformers import DynamicCache
+
+from hf_paged.kv_format import FORMATS, rotate
+from hf_paged.reference_models import load_smollm2
+
+HEAD_DIM = 64  # SmolLM2's
+
+
+def bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).to(x.dtype)
+
+
+def shipped(name: str):
+    """Round trip of a shipped format (`[batch, heads, tokens, head_dim]` in, same out)."""
+    return FORMATS[name].round_trip
+
+
+def keys_per_channel(bits: int, group: int, rotated: bool):
+    """Round trip of keys quantized per channel over each full group of `group` tokens, asymmetric (bfloat16 minimum
+    and step per channel); the last, partial group stays unquantized."""
+    levels = 2**bits - 1
+
+    def round_trip(x: torch.Tensor) -> torch.Tensor:
+        values = rotate(x) if rotated else x.float()
+        batch, heads, tokens, dim = values.shape
+        full = tokens // group * group
+        out = values.clone()
+        if full:
+            groups = values[:, :, :full].reshape(batch, heads, full // group, group, dim)
+            low = groups.amin(dim=3, keepdim=True).to(torch.bfloat16).float()
+            high = groups.amax(dim=3, keepdim=True)
+            step = ((high - low) / levels).to(torch.bfloat16).float()
+            divisor = torch.where(step > 0, step, torch.ones_like(step))
+            codes = torch.round((groups - low) / divisor).clamp(0, levels)
+            out[:, :, :full] = (codes * step + low).reshape(batch, heads, full, dim)
+        return (rotate(out) if rotated else out).to(x.dtype)
+
+    return round_trip
+
+
+def bytes_shipped(bits: int) -> float:
+    return HEAD_DIM * bits / 8 + 2
+
+
+def bytes_per_channel(bits: int, group: int) -> float:
+    return HEAD_DIM * bits / 8 + 2 * 2 * HEAD_DIM / group
+
+
+SCHEMES = {  # name: (keys, values, bytes of K, bytes of V per token and head)
+    "bf16 pages": (bf16, bf16, 2 * HEAD_DIM, 2 * HEAD_DIM),
+    "int8 as shipped": (shipped("int8"), shipped("int8"), bytes_shipped(8), bytes_shipped(8)),
+    "int8, keys per channel (group 16)": (keys_per_channel(8, 16, False), shipped("int8"), bytes_per_channel(8, 16),
+                                          bytes_shipped(8)),
+    "int8, keys per channel (group 64)": (keys_per_channel(8, 64, False), shipped("int8"), bytes_per_channel(8, 64),
+                                          bytes_shipped(8)),
+    "int4 as shipped": (shipped("int4"), shipped("int4"), bytes_shipped(4), bytes_shipped(4)),
+    "int4, keys per channel (group 16)": (keys_per_channel(4, 16, False), shipped("int4"), bytes_per_channel(4, 16),
+                                          bytes_shipped(4)),
+    "int4, keys per channel rotated (group 16)": (keys_per_channel(4, 16, True), shipped("int4"),
+                                                  bytes_per_channel(4, 16), bytes_shipped(4)),
+    "int4, keys per channel rotated (group 32)": (keys_per_channel(4, 32, True), shipped("int4"),
+                                                  bytes_per_channel(4, 32), bytes_shipped(4)),
+    "int4, keys per channel rotated (group 64)": (keys_per_channel(4, 64, True), shipped("int4"),
+                                                  bytes_per_channel(4, 64), bytes_shipped(4)),
+}  # fmt: skip
+
+
+class RoundTripCache(DynamicCache):
+    """A `DynamicCache` whose layers hand back every K/V (the new tokens' and the context's) as `keys` / `values`
+    round-trip them; the exact K/V are kept, so a scheme with groups re-derives each group's scales as it fills."""
+
+    def __init__(self, config, keys, values):
+        super().__init__(config=config)
+        self.round_trip_keys, self.round_trip_values = keys, values
+        self.exact: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        new = key_states.shape[2]
+        if layer_idx in self.exact:
+            old_keys, old_values = self.exact[layer_idx]
+            key_states = torch.cat([old_keys, key_states], dim=2)
+            value_states = torch.cat([old_values, value_states], dim=2)
+        self.exact[layer_idx] = (key_states, value_states)
+        keys, values = self.round_trip_keys(key_states), self.round_trip_values(value_states)
+        super().update(keys[:, :, -new:], values[:, :, -new:], layer_idx, *args, **kwargs)  # its length bookkeeping
+        self.layers[layer_idx].keys, self.layers[layer_idx].values = keys, values
+        return keys, values
+
+
+@torch.no_grad()
+def mean_nll(model, segments: list[torch.Tensor], keys, values) -> float:
+    total, count = 0.0, 0
+    for segment in segments:
+        cache = RoundTripCache(model.config, keys, values)
+        for start in range(0, SEGMENT, CHUNK):
+            logits = model(segment[None, start : start + CHUNK], past_key_values=cache, use_cache=True).logits[0]
+            targets = segment[start + 1 : start + CHUNK + 1]
+            total += torch.nn.functional.cross_entropy(logits[: targets.numel()], targets, reduction="sum").item()
+            count += targets.numel()
+    return total / count
+
+
+@torch.no_grad()
+def continuations(model, prompts: torch.Tensor, keys, values) -> torch.Tensor:
+    out = model.generate(
+        prompts,
+        attention_mask=torch.ones_like(prompts),
+        do_sample=False,
+        max_new_tokens=64,
+        min_new_tokens=64,
+        pad_token_id=0,
+        past_key_values=RoundTripCache(model.config, keys, values),
+    )
+    return out[:, prompts.shape[1] :]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--segments", type=int, default=20, help="perplexity segments of 1,024 tokens")
+    parser.add_argument("--prompts", type=int, default=50, help="prompts for greedy continuations")
+    parser.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES), metavar="NAME")
+    args = parser.parse_args()
+    print(environment(), "\n")
+    model, tokenizer = load_smollm2()
+    ids = english_text_ids(tokenizer)
+    segments = [ids[i * SEGMENT : (i + 1) * SEGMENT + 1] for i in range(args.segments)]
+    start = args.segments * SEGMENT + 1
+    prompts = torch.stack([ids[start + i * 96 : start + i * 96 + 32] for i in range(args.prompts)])
+
+    exact = (lambda x: x, lambda x: x)
+    base_nll, base = mean_nll(model, segments, *exact), continuations(model, prompts, *exact)
+    rows = []
+    for name in args.schemes:
+        begin = time.perf_counter()
+        keys, values, key_bytes, value_bytes = SCHEMES[name]
+        nll = mean_nll(model, segments, keys, values)
+        same = (continuations(model, prompts, keys, values) == base).all(dim=1)
+        rows.append(
+            [
+                name,
+                f"{key_bytes:g} + {value_bytes:g}",
+                f"{(key_bytes + value_bytes) / (4 * HEAD_DIM):.3f}",
+                f"{math.exp(nll - base_nll) - 1:+.2%}",
+                f"{same.float().mean().item():.0%} ({int(same.sum())} of {args.prompts})",
+            ]
+        )
+        print(f"  {name}: {time.perf_counter() - begin:.0f} s", flush=True)
+    print(f"\nperplexity of unquantized pages {math.exp(base_nll):.4f} over {args.segments * SEGMENT:,} tokens\n")
+    headers = ["scheme", "bytes K + V per token and head", "vs bf16", "perplexity vs fp32 pages", "identical"]
+    print(markdown_table(headers, rows))
+
+
+if __name__ == "__main__":
+    main()
