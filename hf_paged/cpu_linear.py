@@ -3,8 +3,8 @@
 On CPU, torch's `nn.Linear` multiplies through its BLAS (MKL in the x86 wheels) with the weight as it lies, every
 call. oneDNN (shipped inside torch as `torch.ops.mkldnn`) can reorder a weight once into the blocked layout its
 matmul kernels read best and keep it; with the small row counts of decoding (1-64 tokens a step) that is much faster
-on some CPUs (SmolLM2's forward, 2 threads: 1.5x at 1 token, 1.9x at 8, 1.3x at 64; benchmarks/cpu_linear.py,
-docs/benchmarks.md). vLLM's CPU backend multiplies the same way.
+on some CPUs (SmolLM2's forward on an AMD EPYC, 2 threads: 1.3x at 1 token, 1.6x at 8, 1.7x at 64;
+benchmarks/cpu_linear.py, docs/benchmarks.md). vLLM's CPU backend multiplies the same way.
 
 The results are a different summation order of the same products: they differ from stock `nn.Linear` by float
 rounding (about 1e-7 relative in fp32), so greedy tokens may differ from an unpacked model's at near-ties. Paged
