@@ -99,21 +99,40 @@ def resident_table(per_token: dict, budget: int) -> str:
     return markdown_table(["pages", "blocks", "sequences resident (mean)", "vs bf16", "vs fp32"], rows)
 
 
+def text_workload(tokenizer, num_segments: int, num_prompts: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """`num_segments` perplexity segments of `SEGMENT + 1` token ids from the English text, then `num_prompts`
+    prompts of 32 tokens from the text after them (`[num_prompts, 32]`)."""
+    ids = english_text_ids(tokenizer)
+    segments = [ids[i * SEGMENT : (i + 1) * SEGMENT + 1] for i in range(num_segments)]
+    start = num_segments * SEGMENT + 1
+    prompts = torch.stack([ids[start + i * 96 : start + i * 96 + 32] for i in range(num_prompts)])
+    assert prompts.shape == (num_prompts, 32) and all(s.numel() == SEGMENT + 1 for s in segments)
+    return segments, prompts
+
+
 @torch.no_grad()
-def mean_nll(model, segments: list[torch.Tensor], kv_dtype: str) -> tuple[float, int]:
+def chunked_nll(model, segments: list[torch.Tensor], new_cache) -> tuple[float, int]:
+    """Mean next-token NLL over `segments`, each fed in chunks of `CHUNK` tokens to a cache of its own from
+    `new_cache()` (released after, where it has `release`), and how many tokens it covers."""
     total, count = 0.0, 0
     for segment in segments:
-        cache = hf_paged.PagedCache(model, kv_dtype=kv_dtype, block_size=BLOCK_SIZE)
+        cache = new_cache()
         for start in range(0, SEGMENT, CHUNK):
             logits = model(segment[None, start : start + CHUNK], past_key_values=cache, use_cache=True).logits[0]
             targets = segment[start + 1 : start + CHUNK + 1]
             total += torch.nn.functional.cross_entropy(logits[: targets.numel()], targets, reduction="sum").item()
             count += targets.numel()
-        cache.release()
+        if hasattr(cache, "release"):
+            cache.release()
     return total / count, count
 
 
-def continuations(model, prompts: torch.Tensor, kv_dtype: str) -> torch.Tensor:
+def mean_nll(model, segments: list[torch.Tensor], kv_dtype: str) -> tuple[float, int]:
+    return chunked_nll(model, segments, lambda: hf_paged.PagedCache(model, kv_dtype=kv_dtype, block_size=BLOCK_SIZE))
+
+
+def greedy_continuations(model, prompts: torch.Tensor, **cache_options) -> torch.Tensor:
+    """64 greedy tokens after each of `prompts`, generated in one batch with `cache_options` passed to `generate`."""
     out = model.generate(
         prompts,
         attention_mask=torch.ones_like(prompts),
@@ -121,10 +140,14 @@ def continuations(model, prompts: torch.Tensor, kv_dtype: str) -> torch.Tensor:
         max_new_tokens=64,
         min_new_tokens=64,
         pad_token_id=0,
-        cache_implementation="paged",
-        cache_config={"kv_dtype": kv_dtype, "block_size": BLOCK_SIZE},
+        **cache_options,
     )
     return out[:, prompts.shape[1] :]
+
+
+def continuations(model, prompts: torch.Tensor, kv_dtype: str) -> torch.Tensor:
+    cache_config = {"kv_dtype": kv_dtype, "block_size": BLOCK_SIZE}
+    return greedy_continuations(model, prompts, cache_implementation="paged", cache_config=cache_config)
 
 
 def decode_step_seconds(model, batch: int, context: int, kv_dtype: str, pool_memory: str, steps: int = 16) -> float:
@@ -184,11 +207,7 @@ def main() -> None:
     print(f"## Sequences resident in {args.budget} of KV (ShareGPT-like mix, block {BLOCK_SIZE})\n")
     print(resident_table(per_token, budget) + "\n")
 
-    ids = english_text_ids(tokenizer)
-    segments = [ids[i * SEGMENT : (i + 1) * SEGMENT + 1] for i in range(args.segments)]
-    start = args.segments * SEGMENT + 1
-    prompts = torch.stack([ids[start + i * 96 : start + i * 96 + 32] for i in range(args.prompts)])
-    assert prompts.shape == (args.prompts, 32) and all(s.numel() == SEGMENT + 1 for s in segments)
+    segments, prompts = text_workload(tokenizer, args.segments, args.prompts)
 
     rows, nll = [], {}
     outputs = {}

@@ -31,7 +31,7 @@ import time
 
 import torch
 from common import environment, markdown_table
-from kv_quant import CHUNK, SEGMENT, english_text_ids
+from kv_quant import SEGMENT, chunked_nll, greedy_continuations, text_workload
 from transformers import DynamicCache
 
 from hf_paged.kv_format import FORMATS, rotate
@@ -121,31 +121,12 @@ class RoundTripCache(DynamicCache):
         return keys, values
 
 
-@torch.no_grad()
 def mean_nll(model, segments: list[torch.Tensor], keys, values) -> float:
-    total, count = 0.0, 0
-    for segment in segments:
-        cache = RoundTripCache(model.config, keys, values)
-        for start in range(0, SEGMENT, CHUNK):
-            logits = model(segment[None, start : start + CHUNK], past_key_values=cache, use_cache=True).logits[0]
-            targets = segment[start + 1 : start + CHUNK + 1]
-            total += torch.nn.functional.cross_entropy(logits[: targets.numel()], targets, reduction="sum").item()
-            count += targets.numel()
-    return total / count
+    return chunked_nll(model, segments, lambda: RoundTripCache(model.config, keys, values))[0]
 
 
-@torch.no_grad()
 def continuations(model, prompts: torch.Tensor, keys, values) -> torch.Tensor:
-    out = model.generate(
-        prompts,
-        attention_mask=torch.ones_like(prompts),
-        do_sample=False,
-        max_new_tokens=64,
-        min_new_tokens=64,
-        pad_token_id=0,
-        past_key_values=RoundTripCache(model.config, keys, values),
-    )
-    return out[:, prompts.shape[1] :]
+    return greedy_continuations(model, prompts, past_key_values=RoundTripCache(model.config, keys, values))
 
 
 def main() -> None:
@@ -156,10 +137,7 @@ def main() -> None:
     args = parser.parse_args()
     print(environment(), "\n")
     model, tokenizer = load_smollm2()
-    ids = english_text_ids(tokenizer)
-    segments = [ids[i * SEGMENT : (i + 1) * SEGMENT + 1] for i in range(args.segments)]
-    start = args.segments * SEGMENT + 1
-    prompts = torch.stack([ids[start + i * 96 : start + i * 96 + 32] for i in range(args.prompts)])
+    segments, prompts = text_workload(tokenizer, args.segments, args.prompts)
 
     exact = (lambda x: x, lambda x: x)
     base_nll, base = mean_nll(model, segments, *exact), continuations(model, prompts, *exact)
