@@ -15,6 +15,8 @@ rotated by `H`, symmetric codes):
   0..2**bits-1 (KIVI's grouping of keys). The scales need the whole group, so the tokens of a group not yet full
   stay unquantized (the open block kept in full precision until it fills). "rotated": the vectors are rotated by `H`
   first.
+- Keys "centred on the previous block": nothing kept in full precision; each block is centred on the mean of
+  the previous block as read back (derivable by every reader: no bytes), then quantized per token as shipped.
 - Values: as shipped (per token).
 
 Bytes per cached token and head (head_dim 64) count codes, scales and zero points at bfloat16, vs bfloat16 pages
@@ -72,6 +74,34 @@ def keys_per_channel(bits: int, group: int, rotated: bool):
     return round_trip
 
 
+def keys_centered(bits: int, block: int, scales_per_token: int):
+    """Round trip of keys with nothing kept in full precision: each block of `block` tokens is centred on the mean of
+    the previous block as the pages give it back (a value every reader can derive, so it costs no bytes; the first
+    block is not centred), then quantized per token as shipped (rotated, symmetric), with `scales_per_token` scales
+    a token over equal slices of the rotated vector."""
+    levels = 2 ** (bits - 1) - 1
+
+    def per_token(y: torch.Tensor) -> torch.Tensor:
+        shape = y.shape
+        y = y.reshape(*shape[:-1], scales_per_token, shape[-1] // scales_per_token)
+        scale = (y.abs().amax(dim=-1, keepdim=True) / levels).to(torch.bfloat16).float()
+        divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
+        return (torch.round(y / divisor).clamp(-levels, levels) * scale).reshape(shape)
+
+    def round_trip(x: torch.Tensor) -> torch.Tensor:
+        values = x.float()
+        out = torch.empty_like(values)
+        previous = None
+        for begin in range(0, values.shape[2], block):
+            part = values[:, :, begin : begin + block]
+            mean = torch.zeros_like(part[:, :, :1]) if previous is None else previous.mean(dim=2, keepdim=True)
+            out[:, :, begin : begin + block] = rotate(per_token(rotate(part - mean))) + mean
+            previous = out[:, :, begin : begin + block] if part.shape[2] == block else None
+        return out.to(x.dtype)
+
+    return round_trip
+
+
 def bytes_shipped(bits: int) -> float:
     return HEAD_DIM * bits / 8 + 2
 
@@ -96,6 +126,11 @@ SCHEMES = {  # name: (keys, values, bytes of K, bytes of V per token and head)
                                                   bytes_per_channel(4, 32), bytes_shipped(4)),
     "int4, keys per channel rotated (group 64)": (keys_per_channel(4, 64, True), shipped("int4"),
                                                   bytes_per_channel(4, 64), bytes_shipped(4)),
+    "int4, keys unquantized": (lambda x: x, shipped("int4"), 4 * HEAD_DIM, bytes_shipped(4)),
+    "int4, keys centred on the previous block (16)": (keys_centered(4, 16, 1), shipped("int4"), bytes_shipped(4),
+                                                      bytes_shipped(4)),
+    "int4, keys centred (16), 2 scales a token": (keys_centered(4, 16, 2), shipped("int4"), bytes_shipped(4) + 2,
+                                                  bytes_shipped(4)),
 }  # fmt: skip
 
 

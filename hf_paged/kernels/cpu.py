@@ -16,7 +16,8 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 KV_FORMATS = {None: 0, 8: 1, 4: 2}  # stored in the query's dtype; int8 codes; int4 codes (by bits)
 QUERY_TILE = 16  # queries of one row an item attends for at a time
 MIN_SPLIT_KEYS = 512  # a small batch splits a row's keys over the threads, at least this many keys a split
-ABI_VERSION = 2
+MIN_WORK_PER_THREAD = 2048  # query-vector x key products worth a thread of their own (smaller calls use fewer)
+ABI_VERSION = 3
 
 
 class _Params(ctypes.Structure):
@@ -53,6 +54,7 @@ class _Params(ctypes.Structure):
         ("num_threads", ctypes.c_int32),
         ("query_tile", ctypes.c_int32),
         ("min_split_keys", ctypes.c_int32),
+        ("min_work_per_thread", ctypes.c_int64),
     ]
 
 
@@ -153,6 +155,7 @@ def attention(
         num_threads=torch.get_num_threads(),
         query_tile=QUERY_TILE,
         min_split_keys=MIN_SPLIT_KEYS,
+        min_work_per_thread=MIN_WORK_PER_THREAD,
     )
     status = lib.hf_paged_attention(ctypes.byref(params), DTYPES[query.dtype], KV_FORMATS[bits])
     if status != 0:

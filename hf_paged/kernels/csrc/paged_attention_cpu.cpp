@@ -6,10 +6,12 @@
 // a sliding window (a query at p sees keys k with p - k < window), logit soft-capping and attention sinks (one logit
 // per query head that takes softmax mass and has no value). Softmax is online, in fp32, a block at a time.
 //
-// Work is split into items (row, KV head, query tile, key split), run in parallel with OpenMP; an item loads each K/V
-// block of its range once, converted to fp32 (K transposed, so scores vectorise over the block's tokens), for all the
-// query heads of its KV head. Rows with few items (a small decode batch) split their keys; the splits are merged
-// with their log-sum-exp. Plain C ABI (called through ctypes): no torch headers, so it builds in about a second.
+// Work is split into items (row, KV head, query tile, key split), run in parallel with OpenMP on at most one thread
+// per min_work_per_thread query-vector x key products; an item loads each K/V row of its range once, as fp32, for all
+// the query heads of its KV head: four keys' dot products with a query vector run side by side (independent sums),
+// and each query vector's output accumulates a block's weighted values in registers. Rows with few items (a small
+// decode batch) split their keys; the splits are merged with their log-sum-exp. Plain C ABI (called through
+// ctypes): no torch headers, so it builds in about a second.
 //
 // Quantized pages (hf_paged.kv_format): K/V held as int8 codes, or int4 codes two a byte (low nibble first, stored
 // as code + 8), with a bfloat16 scale per token and KV head; a row is dequantized as code * scale in fp32 as it is
@@ -50,9 +52,8 @@ struct Params {
   int32_t num_threads;
   int32_t query_tile;  // queries of a row per item
   int32_t min_split_keys;  // a key split holds at least this many keys
+  int64_t min_work_per_thread;  // query-vector x key products worth a thread of their own
 };
-
-constexpr int64_t kMinWorkPerThread = 32768;  // query-vector x key products worth a thread of their own
 
 struct Item {
   int32_t row, kv_head, q_begin, q_end, k_begin, k_end, slot;  // slot: partial-result index, -1 = write out
@@ -182,20 +183,54 @@ constexpr int row_bytes<Q4>(int D) {
   return D / 2;
 }
 
+constexpr int kKeyGroup = 4;  // keys whose dot products with one query vector run side by side
+
+// The dot products of `q` with the kKeyGroup rows `k`: independent sums, so their latencies overlap.
 template <int HD>
-inline float dot(const float* a, const float* b, int D) {
+inline void dot_group(const float* q, const float* const* k, int D, float* out) {
   const int n = HD > 0 ? HD : D;
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int d = 0; d < n; ++d) sum += a[d] * b[d];
-  return sum;
+  const float *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3];
+  float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+  for (int d = 0; d < n; ++d) {
+    const float x = q[d];
+    s0 += x * k0[d];
+    s1 += x * k1[d];
+    s2 += x * k2[d];
+    s3 += x * k3[d];
+  }
+  out[0] = s0;
+  out[1] = s1;
+  out[2] = s2;
+  out[3] = s3;
 }
 
+// acc += sum_j weights[j] * v[j] over the n rows v: the accumulator stays in registers across the rows when the
+// head dim is known at compile time.
 template <int HD>
-inline void axpy(float* acc, float e, const float* v, int D) {
-  const int n = HD > 0 ? HD : D;
+inline void accumulate(float* acc, const float* weights, const float* const* v, int n, int D) {
+  if constexpr (HD > 0) {
+    float a[HD];
 #pragma omp simd
-  for (int d = 0; d < n; ++d) acc[d] += e * v[d];
+    for (int d = 0; d < HD; ++d) a[d] = acc[d];
+    for (int j = 0; j < n; ++j) {
+      const float w = weights[j];
+      if (w == 0.0f) continue;
+      const float* vj = v[j];
+#pragma omp simd
+      for (int d = 0; d < HD; ++d) a[d] += w * vj[d];
+    }
+#pragma omp simd
+    for (int d = 0; d < HD; ++d) acc[d] = a[d];
+  } else {
+    for (int j = 0; j < n; ++j) {
+      const float w = weights[j];
+      if (w == 0.0f) continue;
+      const float* vj = v[j];
+#pragma omp simd
+      for (int d = 0; d < D; ++d) acc[d] += w * vj[d];
+    }
+  }
 }
 
 // Attend the queries of one item over its key range. T: the query's and output's type; KV: the stored K/V's (T,
@@ -218,7 +253,9 @@ void run_item(const Params& p, const Item& item, size_t slot_stride, float* part
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   std::vector<float> q(static_cast<size_t>(M) * D), acc(static_cast<size_t>(M) * D, 0.0f);
-  std::vector<float> scores(static_cast<size_t>(M) * bs), k_buffer(D), v_buffer(D);
+  std::vector<float> scores(static_cast<size_t>(M) * bs), k_buffer(static_cast<size_t>(kKeyGroup) * D),
+      v_buffer(static_cast<size_t>(bs) * D);
+  std::vector<const float*> v_rows(bs);
   std::vector<State> state(M);
   std::vector<int32_t> lo(M), hi(M);  // keys lo .. hi - 1 are visible to query vector m
   const bool first_split = item.k_begin == (p.window > 0 ? std::max(0, past + item.q_begin - p.window + 1) : 0);
@@ -263,20 +300,30 @@ void run_item(const Params& p, const Item& item, size_t slot_stride, float* part
         }
       }
     }
-    // scores: every key row is read once and met by every query vector that sees it
-    for (int j = 0; j < n; ++j) {
-      const int32_t key = first + j;
-      const float* k = row_as_float(kc, block_base + j * p.kv_stride_token, p.key_scales,
-                                    scale_base + j * p.scale_stride_token, D, k_buffer.data());
+    // scores: every key row is read once and met by every query vector that sees it, kKeyGroup keys at a time
+    for (int j0 = 0; j0 < n; j0 += kKeyGroup) {
+      const int g = std::min(kKeyGroup, n - j0);
+      const float* k[kKeyGroup];
+      for (int t = 0; t < kKeyGroup; ++t) {
+        const int j = j0 + std::min(t, g - 1);  // a short group repeats its last key (its dots are not used)
+        k[t] = t < g ? row_as_float(kc, block_base + j * p.kv_stride_token, p.key_scales,
+                                    scale_base + j * p.scale_stride_token, D, &k_buffer[static_cast<size_t>(t) * D])
+                     : k[g - 1];
+      }
       for (int m = 0; m < M; ++m) {
         float* sm = &scores[static_cast<size_t>(m) * bs];
-        if (key < lo[m] || key >= hi[m]) {
-          sm[j] = neg_inf;
-          continue;
+        float dots[kKeyGroup];
+        dot_group<HD>(&q[static_cast<size_t>(m) * D], k, D, dots);
+        for (int t = 0; t < g; ++t) {
+          const int32_t key = first + j0 + t;
+          if (key < lo[m] || key >= hi[m]) {
+            sm[j0 + t] = neg_inf;
+            continue;
+          }
+          float logit = dots[t];
+          if (softcap > 0.0f) logit = std::tanh(logit / softcap) * softcap;
+          sm[j0 + t] = logit;
         }
-        float logit = dot<HD>(&q[static_cast<size_t>(m) * D], k, D);
-        if (softcap > 0.0f) logit = std::tanh(logit / softcap) * softcap;
-        sm[j] = logit;
       }
     }
     // online softmax, a block at a time
@@ -309,13 +356,13 @@ void run_item(const Params& p, const Item& item, size_t slot_stride, float* part
       }
     }
     if (!any) continue;
+    // every value row is loaded (converted, dequantized) once, then weighted into each query vector's accumulator
     for (int j = 0; j < n; ++j) {
-      const float* v = row_as_float(vc, block_base + j * p.kv_stride_token, p.value_scales,
-                                    scale_base + j * p.scale_stride_token, D, v_buffer.data());
-      for (int m = 0; m < M; ++m) {
-        const float e = scores[static_cast<size_t>(m) * bs + j];
-        if (e != 0.0f) axpy<HD>(&acc[static_cast<size_t>(m) * D], e, v, D);
-      }
+      v_rows[j] = row_as_float(vc, block_base + j * p.kv_stride_token, p.value_scales,
+                               scale_base + j * p.scale_stride_token, D, &v_buffer[static_cast<size_t>(j) * D]);
+    }
+    for (int m = 0; m < M; ++m) {
+      accumulate<HD>(&acc[static_cast<size_t>(m) * D], &scores[static_cast<size_t>(m) * bs], v_rows.data(), n, D);
     }
   }
 
@@ -398,8 +445,8 @@ int run(const Params& p) {
     work += nq * keys;
   }
   work *= p.num_q_heads;
-  const int threads =
-      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(p.num_threads, work / kMinWorkPerThread)));
+  const int64_t enough = work / std::max<int64_t>(1, p.min_work_per_thread);
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(p.num_threads, enough)));
   const int tile = std::max(1, p.query_tile);
   std::vector<Item> items;
   int tiles_total = 0;
@@ -490,5 +537,5 @@ int hf_paged_attention(const Params* params, int dtype, int kv_format) {
   }
 }
 
-int hf_paged_abi_version() { return 2; }
+int hf_paged_abi_version() { return 3; }
 }
