@@ -22,20 +22,28 @@ rotated by `H`, symmetric codes):
 Bytes per cached token and head (head_dim 64) count codes, scales and zero points at bfloat16, vs bfloat16 pages
 (256 bytes for K and V); the full-precision open block is not counted (at most G - 1 tokens a sequence).
 
-Usage: python benchmarks/kv_quant_schemes.py [--segments 20] [--prompts 50] [--schemes NAME ...]
+First table: sequences resident in `--budget` of KV for each scheme (kv_quant.py's method and ShareGPT-like mix),
+in blocks of its group, with its open group's keys in fp32 counted per running sequence (what building it needs) and
+not counted.
+
+Usage: python benchmarks/kv_quant_schemes.py [--segments 20] [--prompts 50] [--schemes NAME ...] [--budget 1GiB]
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import re
+import statistics
 import time
 
 import torch
 from common import environment, markdown_table
-from kv_quant import SEGMENT, chunked_nll, greedy_continuations, text_workload
+from kv_memory import sharegpt_like_requests
+from kv_quant import BLOCK_SIZE, SEGMENT, chunked_nll, greedy_continuations, text_workload
 from transformers import DynamicCache
 
+from hf_paged.config import parse_memory
 from hf_paged.kv_format import FORMATS, rotate
 from hf_paged.reference_models import load_smollm2
 
@@ -100,6 +108,55 @@ def keys_centered(bits: int, block: int, scales_per_token: int):
         return out.to(x.dtype)
 
     return round_trip
+
+
+def open_group(name: str) -> int:
+    """Tokens a scheme's quantization group (its block) holds; per-channel schemes keep their open group unquantized,
+    so a running sequence also holds up to that many tokens' keys in full precision."""
+    match = re.search(r"\(group (\d+)\)", name)
+    return int(match.group(1)) if match else BLOCK_SIZE
+
+
+def resident(
+    bytes_per_token_head: float, block: int, open_bytes_per_head: float, budget: int, layers: int, kv_heads: int
+) -> float:
+    """Mean sequences resident in `budget` bytes of KV, kv_quant.py's method (the ShareGPT-like mix of kv_memory.py,
+    admitted in arrival order at their final length, from every 10th request on): each sequence costs its blocks of
+    `block` tokens plus `open_bytes_per_head` per layer and KV head (a full-precision open group)."""
+    lengths = [prompt + output - 1 for prompt, output in sharegpt_like_requests(1000)]
+    samples = []
+    for offset in range(0, len(lengths), 10):
+        used = admitted = 0
+        for length in lengths[offset:] + lengths[:offset]:
+            cost = (-(-length // block) * block * bytes_per_token_head + open_bytes_per_head) * layers * kv_heads
+            if used + cost > budget:
+                break
+            used, admitted = used + cost, admitted + 1
+        samples.append(admitted)
+    return statistics.mean(samples)
+
+
+def resident_rows(names: list[str], budget: int, layers: int, kv_heads: int) -> list[list[str]]:
+    """Sequences resident per scheme: blocks of its group, without and with its open group's keys in fp32 (what
+    building it would need), next to bf16 and fp32 pages of 16 tokens."""
+    bf16 = resident(4 * HEAD_DIM, BLOCK_SIZE, 0, budget, layers, kv_heads)
+    fp32 = resident(8 * HEAD_DIM, BLOCK_SIZE, 0, budget, layers, kv_heads)
+    rows = [["fp32 pages", str(BLOCK_SIZE), "-", f"{fp32:.1f}", f"{fp32 / bf16:.2f}x", "1.00x"]]
+    for name in names:
+        _, _, key_bytes, value_bytes = SCHEMES[name]
+        group = open_group(name)
+        opens = [0, group * 4 * HEAD_DIM] if "per channel" in name else [0]
+        for open_bytes in opens:
+            count = resident(key_bytes + value_bytes, group, open_bytes, budget, layers, kv_heads)
+            counted = (
+                "not counted"
+                if "per channel" in name and not open_bytes
+                else f"{open_bytes:,} B"
+                if open_bytes
+                else "-"
+            )
+            rows.append([name, str(group), counted, f"{count:.1f}", f"{count / bf16:.2f}x", f"{count / fp32:.2f}x"])
+    return rows
 
 
 def bytes_shipped(bits: int) -> float:
@@ -169,9 +226,21 @@ def main() -> None:
     parser.add_argument("--segments", type=int, default=20, help="perplexity segments of 1,024 tokens")
     parser.add_argument("--prompts", type=int, default=50, help="prompts for greedy continuations")
     parser.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES), metavar="NAME")
+    parser.add_argument("--budget", default="1GiB", help="KV budget of the sequences-resident table")
     args = parser.parse_args()
     print(environment(), "\n")
     model, tokenizer = load_smollm2()
+    layers, kv_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    print(f"## Sequences resident in {args.budget} of KV (ShareGPT-like mix; {layers} layers x {kv_heads} KV heads)\n")
+    headers = [
+        "scheme",
+        "block",
+        "open group's keys in fp32, per layer and head",
+        "sequences resident (mean)",
+        "vs bf16",
+        "vs fp32",
+    ]
+    print(markdown_table(headers, resident_rows(args.schemes, parse_memory(args.budget), layers, kv_heads)) + "\n")
     segments, prompts = text_workload(tokenizer, args.segments, args.prompts)
 
     exact = (lambda x: x, lambda x: x)

@@ -100,10 +100,11 @@ def rows(draw, max_rows=5, max_length=300):
     sinks=st.booleans(),
     shared_prefix=st.sampled_from([0, 40, 200]),
     split_keys=st.sampled_from([None, 8, 50]),
+    min_work=st.sampled_from([None, 1]),
     seed=st.integers(0, 2**16),
 )
 def test_cpu_kernel_matches_the_reference(
-    shape, group, head_dim, block_size, window, softcap, sinks, shared_prefix, split_keys, seed
+    shape, group, head_dim, block_size, window, softcap, sinks, shared_prefix, split_keys, min_work, seed
 ):
     lengths, counts = shape
     call = random_call(
@@ -117,12 +118,13 @@ def test_cpu_kernel_matches_the_reference(
         shared_prefix=shared_prefix,
     )
     sink_logits = torch.randn(2 * group, generator=torch.Generator().manual_seed(seed)) if sinks else None
-    default = cpu.MIN_SPLIT_KEYS
-    cpu.MIN_SPLIT_KEYS = split_keys or default  # small: rows split their keys over the threads much more often
+    defaults = cpu.MIN_SPLIT_KEYS, cpu.MIN_WORK_PER_THREAD
+    cpu.MIN_SPLIT_KEYS = split_keys or defaults[0]  # small: rows split their keys over the threads much more often
+    cpu.MIN_WORK_PER_THREAD = min_work or defaults[1]  # 1: every call runs on all of torch's threads
     try:
         assert max_error(call, window=window, softcap=softcap, sinks=sink_logits) <= TOLERANCE[torch.float32]
     finally:
-        cpu.MIN_SPLIT_KEYS = default
+        cpu.MIN_SPLIT_KEYS, cpu.MIN_WORK_PER_THREAD = defaults
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
