@@ -1,0 +1,122 @@
+"""Where a decode step's time goes, paged vs `DynamicCache`, side by side in one run: the attention calls (for
+paged, the in-place kernel's share of them), the cache writes (`update`), the paged cache's planning
+(`PagedCache.prepare_forward`) and the rest of the step (the model's own layers, sampling, `generate`'s loop).
+
+Each part is timed by wrapping the function that does it (the registered `"sdpa"` and `"hf_paged"` attention
+functions, `kernels.cpu.attention`, `DynamicCache.update`, `BatchCache.update`, `PagedCache.prepare_forward`) and
+summed per decode step; the prefill forward is left out. Times are medians over the steps of `--rounds` `generate`
+calls per cache (after one warm-up call each), so the wrappers' own cost (about a microsecond a call) is included in
+every part alike.
+
+Usage: python benchmarks/decode_step_parts.py [--batch 1] [--context 128] [--new-tokens 32] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+from common import environment, load_model, markdown_table
+from transformers import AttentionInterface, DynamicCache, StoppingCriteria, StoppingCriteriaList
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+import hf_paged  # noqa: F401  (registers cache_implementation="paged")
+from hf_paged import batch_cache, cache
+from hf_paged.kernels import cpu
+
+PARTS = ["attention", "kernel", "cache writes", "planning"]
+HEADERS = ["cache", "batch", "context", "step ms", *[f"{part} ms" for part in PARTS], "rest ms"]
+
+
+class StepParts(StoppingCriteria):
+    """Sums the time of each wrapped part per forward; called after every forward, it starts the next one's sums."""
+
+    def __init__(self):
+        self.step = 0
+        self.ends: list[float] = []
+        self.parts: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.ends.append(time.perf_counter())
+        self.step += 1
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    def timed(self, part: str, function):
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.parts[self.step][part] += time.perf_counter() - start
+
+        return wrapper
+
+
+def install(recorder: StepParts) -> None:
+    """Wrap every timed function (once per process)."""
+    for name in ("sdpa", "hf_paged"):
+        AttentionInterface.register(name, recorder.timed("attention", ALL_ATTENTION_FUNCTIONS[name]))
+    cpu.attention = recorder.timed("kernel", cpu.attention)
+    DynamicCache.update = recorder.timed("cache writes", DynamicCache.update)
+    batch_cache.BatchCache.update = recorder.timed("cache writes", batch_cache.BatchCache.update)
+    cache.PagedCache.prepare_forward = recorder.timed("planning", cache.PagedCache.prepare_forward)
+
+
+def decode_parts(model, recorder: StepParts, input_ids, new_tokens: int, options: dict) -> list[dict[str, float]]:
+    """Per decode step of one `generate` call: its wall time ("step") and the seconds of each part."""
+    recorder.step, recorder.ends = 0, []
+    recorder.parts.clear()
+    model.generate(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        do_sample=False,
+        min_new_tokens=new_tokens,
+        max_new_tokens=new_tokens,
+        pad_token_id=0,
+        stopping_criteria=StoppingCriteriaList([recorder]),
+        **options,
+    )
+    steps = []
+    for step in range(1, len(recorder.ends)):  # step 0 is the prefill
+        parts = dict(recorder.parts[step])
+        steps.append({"step": recorder.ends[step] - recorder.ends[step - 1], **parts})
+    return steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2", choices=["tiny", "smollm2"])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    print(environment() + "\n")
+    model, _ = load_model(args.model)
+    recorder = StepParts()
+    install(recorder)
+    generator = torch.Generator().manual_seed(args.batch * 10_000 + args.context)
+    input_ids = torch.randint(3, model.config.vocab_size, (args.batch, args.context), generator=generator)
+    caches = {"DynamicCache": {}, "paged": {"cache_implementation": "paged"}}
+    steps = {name: [] for name in caches}
+    for options in caches.values():  # warm-up (the kernel built or loaded)
+        decode_parts(model, recorder, input_ids[:, :16], 4, options)
+    for _ in range(args.rounds):
+        for name, options in caches.items():
+            steps[name].extend(decode_parts(model, recorder, input_ids, args.new_tokens, options))
+    rows = []
+    for name, measured in steps.items():
+        median = {key: statistics.median(s.get(key, 0.0) for s in measured) * 1e3 for key in ["step", *PARTS]}
+        rest = median["step"] - median["attention"] - median["cache writes"] - median["planning"]
+        cells = [f"{median[part]:.2f}" if any(part in s for s in measured) else "-" for part in PARTS]
+        rows.append([name, args.batch, args.context, f"{median['step']:.2f}", *cells, f"{rest:.2f}"])
+    print(markdown_table(HEADERS, rows))
+
+
+if __name__ == "__main__":
+    main()
