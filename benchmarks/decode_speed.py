@@ -46,9 +46,8 @@ class StepClock(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
-def step_seconds(model, input_ids, new_tokens: int, options: dict) -> list[float]:
-    """Seconds of every decode step of one `generate` call (the first token, which the prefill computes, excluded)."""
-    clock = StepClock()
+def greedy_decode(model, input_ids, new_tokens: int, options: dict, clock: StepClock) -> None:
+    """One greedy `generate` call of exactly `new_tokens` tokens with `options`, `clock` called after every step."""
     model.generate(
         input_ids=input_ids,
         attention_mask=torch.ones_like(input_ids),
@@ -59,6 +58,12 @@ def step_seconds(model, input_ids, new_tokens: int, options: dict) -> list[float
         stopping_criteria=StoppingCriteriaList([clock]),
         **options,
     )
+
+
+def step_seconds(model, input_ids, new_tokens: int, options: dict) -> list[float]:
+    """Seconds of every decode step of one `generate` call (the first token, which the prefill computes, excluded)."""
+    clock = StepClock()
+    greedy_decode(model, input_ids, new_tokens, options, clock)
     return [b - a for a, b in zip(clock.times, clock.times[1:])]
 
 

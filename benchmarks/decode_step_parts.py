@@ -21,7 +21,8 @@ from collections import defaultdict
 
 import torch
 from common import environment, load_model, markdown_table
-from transformers import AttentionInterface, DynamicCache, StoppingCriteria, StoppingCriteriaList
+from decode_speed import StepClock, greedy_decode
+from transformers import AttentionInterface, DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import hf_paged  # noqa: F401  (registers cache_implementation="paged")
@@ -32,18 +33,18 @@ PARTS = ["attention", "kernel", "cache writes", "planning"]
 HEADERS = ["cache", "batch", "context", "step ms", *[f"{part} ms" for part in PARTS], "rest ms"]
 
 
-class StepParts(StoppingCriteria):
-    """Sums the time of each wrapped part per forward; called after every forward, it starts the next one's sums."""
+class StepParts(StepClock):
+    """Sums the time of each wrapped part per forward; called after every forward (noting the time, as `StepClock`),
+    it starts the next one's sums."""
 
     def __init__(self):
+        super().__init__()
         self.step = 0
-        self.ends: list[float] = []
         self.parts: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
 
     def __call__(self, input_ids, scores, **kwargs):
-        self.ends.append(time.perf_counter())
         self.step += 1
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        return super().__call__(input_ids, scores, **kwargs)
 
     def timed(self, part: str, function):
         @functools.wraps(function)
@@ -69,23 +70,11 @@ def install(recorder: StepParts) -> None:
 
 def decode_parts(model, recorder: StepParts, input_ids, new_tokens: int, options: dict) -> list[dict[str, float]]:
     """Per decode step of one `generate` call: its wall time ("step") and the seconds of each part."""
-    recorder.step, recorder.ends = 0, []
+    recorder.step, recorder.times = 0, []
     recorder.parts.clear()
-    model.generate(
-        input_ids=input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        do_sample=False,
-        min_new_tokens=new_tokens,
-        max_new_tokens=new_tokens,
-        pad_token_id=0,
-        stopping_criteria=StoppingCriteriaList([recorder]),
-        **options,
-    )
-    steps = []
-    for step in range(1, len(recorder.ends)):  # step 0 is the prefill
-        parts = dict(recorder.parts[step])
-        steps.append({"step": recorder.ends[step] - recorder.ends[step - 1], **parts})
-    return steps
+    greedy_decode(model, input_ids, new_tokens, options, recorder)
+    ends = recorder.times
+    return [{"step": ends[step] - ends[step - 1], **recorder.parts[step]} for step in range(1, len(ends))]  # 0: prefill
 
 
 def main() -> None:
