@@ -39,7 +39,7 @@ import time
 
 import torch
 from common import environment, markdown_table
-from kv_memory import sharegpt_like_requests
+from kv_memory import admitted, sharegpt_like_requests
 from kv_quant import BLOCK_SIZE, SEGMENT, chunked_nll, greedy_continuations, text_workload
 from transformers import DynamicCache
 
@@ -124,15 +124,11 @@ def resident(
     admitted in arrival order at their final length, from every 10th request on): each sequence costs its blocks of
     `block` tokens plus `open_bytes_per_head` per layer and KV head (a full-precision open group)."""
     lengths = [prompt + output - 1 for prompt, output in sharegpt_like_requests(1000)]
-    samples = []
-    for offset in range(0, len(lengths), 10):
-        used = admitted = 0
-        for length in lengths[offset:] + lengths[:offset]:
-            cost = (-(-length // block) * block * bytes_per_token_head + open_bytes_per_head) * layers * kv_heads
-            if used + cost > budget:
-                break
-            used, admitted = used + cost, admitted + 1
-        samples.append(admitted)
+
+    def cost(length: int) -> float:
+        return (-(-length // block) * block * bytes_per_token_head + open_bytes_per_head) * layers * kv_heads
+
+    samples = [admitted(lengths[offset:] + lengths[:offset], budget, cost) for offset in range(0, len(lengths), 10)]
     return statistics.mean(samples)
 
 
@@ -145,16 +141,10 @@ def resident_rows(names: list[str], budget: int, layers: int, kv_heads: int) -> 
     for name in names:
         _, _, key_bytes, value_bytes = SCHEMES[name]
         group = open_group(name)
-        opens = [0, group * 4 * HEAD_DIM] if "per channel" in name else [0]
-        for open_bytes in opens:
+        per_channel = "per channel" in name
+        for open_bytes in [0, group * 4 * HEAD_DIM] if per_channel else [0]:
             count = resident(key_bytes + value_bytes, group, open_bytes, budget, layers, kv_heads)
-            counted = (
-                "not counted"
-                if "per channel" in name and not open_bytes
-                else f"{open_bytes:,} B"
-                if open_bytes
-                else "-"
-            )
+            counted = f"{open_bytes:,} B" if open_bytes else "not counted" if per_channel else "-"
             rows.append([name, str(group), counted, f"{count:.1f}", f"{count / bf16:.2f}x", f"{count / fp32:.2f}x"])
     return rows
 

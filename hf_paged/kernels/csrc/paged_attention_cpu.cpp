@@ -310,8 +310,8 @@ void run_item(const Params& p, const Item& item, size_t slot_stride, float* part
     for (int j0 = 0; j0 < n; j0 += kKeyGroup) {
       const int g = std::min(kKeyGroup, n - j0);
       const float* k[kKeyGroup];
-      for (int t = 0; t < kKeyGroup; ++t) {
-        const int j = j0 + std::min(t, g - 1);  // a short group repeats its last key (its dots are not used)
+      for (int t = 0; t < kKeyGroup; ++t) {  // a short group repeats its last key (its dots are not used)
+        const int j = j0 + t;
         k[t] = t < g ? row_as_float(kc, block_base + j * p.kv_stride_token, p.key_scales,
                                     scale_base + j * p.scale_stride_token, D, &k_buffer[static_cast<size_t>(t) * D])
                      : k[g - 1];
