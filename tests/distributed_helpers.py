@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 JOB_TIMEOUT_S = 240
+PORT_ATTEMPTS = 4
 COLLECTIVE_TIMEOUT_S = 60  # a rank waiting in a collective for a rank that is gone gives up after this
 
 
@@ -66,9 +67,23 @@ def start_ranks(work, args: tuple, out_dir: Path, world_size: int = 2) -> list:
 def run_ranks(work, args: tuple, out_dir: Path, world_size: int = 2, timeout_s: float = JOB_TIMEOUT_S):
     """Run `work(rank, *args)` (a module-level function) in `world_size` spawned ranks; rank 0's result.
 
+    The rendezvous port is picked free and bound later, so another process can take it in between: a job whose
+    ranks failed because the address was in use is run again on another port, up to `PORT_ATTEMPTS` times.
+
     Raises:
         RuntimeError: a rank failed or the job ran past `timeout_s`; every rank has been killed and reaped.
     """
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return _run_ranks_once(work, args, out_dir, world_size, timeout_s)
+        except RuntimeError as error:
+            if "address already in use" not in str(error).lower() or attempt == PORT_ATTEMPTS:
+                raise
+            for path in Path(out_dir).glob("rank*.err"):
+                path.unlink()
+
+
+def _run_ranks_once(work, args: tuple, out_dir: Path, world_size: int, timeout_s: float):
     processes = start_ranks(work, args, out_dir, world_size)
     deadline = time.monotonic() + timeout_s
     try:

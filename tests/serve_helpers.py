@@ -50,27 +50,42 @@ def save_tiny_model(folder: Path, add_bos: bool = False, **overrides) -> Path:
 
 
 class ServerProcess:
-    """`python -m hf_paged.serve serve MODEL ...` on a free loopback port; `base` is its URL."""
+    """`python -m hf_paged.serve serve MODEL ...` on a free loopback port; `base` is its URL.
+
+    A port is picked free and bound later by the server, so another process (a tensor-parallel rank's connection, a
+    parallel test) can take it in between: a server that exits because its address is in use is started again on
+    another port, up to `PORT_ATTEMPTS` times."""
+
+    PORT_ATTEMPTS = 4
 
     def __init__(self, model_path: Path, *options: str, env: dict | None = None, timeout_s: float = 180):
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "hf_paged.serve", "serve", str(model_path), "--port", str(self.port)]
-        command += ["--log-level", "warning", *options]
-        self.process = subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, **(env or {})},
-        )
+        for attempt in range(1, self.PORT_ATTEMPTS + 1):
+            self.port = free_port()
+            self.base = f"http://127.0.0.1:{self.port}"
+            command = [sys.executable, "-m", "hf_paged.serve", "serve", str(model_path), "--port", str(self.port)]
+            command += ["--log-level", "warning", *options]
+            self.process = subprocess.Popen(
+                command,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env={**os.environ, **(env or {})},
+            )
+            output = self._wait_until_up(timeout_s)
+            if output is None:
+                return
+            if "address already in use" not in output.lower() or attempt == self.PORT_ATTEMPTS:
+                pytest.fail(f"the server exited: {output}")
+
+    def _wait_until_up(self, timeout_s: float) -> str | None:
+        """None once `/health` answers; the server's output if it exited first."""
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             if self.process.poll() is not None:
-                pytest.fail(f"the server exited: {self.process.stdout.read()}")
+                return self.process.stdout.read()
             try:
                 if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
-                    return
+                    return None
             except httpx.HTTPError:
                 time.sleep(0.3)
         self.process.kill()
