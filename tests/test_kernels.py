@@ -3,7 +3,9 @@ fallback where the CPU kernel cannot be built."""
 
 from __future__ import annotations
 
+import ctypes
 import math
+import platform
 import subprocess
 import sys
 import textwrap
@@ -125,6 +127,19 @@ def test_cpu_kernel_matches_the_reference(
         assert max_error(call, window=window, softcap=softcap, sinks=sink_logits) <= TOLERANCE[torch.float32]
     finally:
         cpu.MIN_SPLIT_KEYS, cpu.MIN_WORK_PER_THREAD = defaults
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="AVX-512 is an x86 instruction set")
+def test_the_kernel_built_without_avx512_matches_the_reference(tmp_path, monkeypatch):
+    # where the CPU has AVX-512 the kernel adds its dot products' lanes with AVX-512 instructions; other CPUs run the
+    # portable loops, built here by turning AVX-512 off
+    target = tmp_path / "paged_attention_portable.so"
+    command = [build.compiler(), *build.CXX_FLAGS, "-mno-avx512f", str(cpu.SOURCE), "-o", str(target)]
+    subprocess.run(command, check=True, capture_output=True, timeout=build.BUILD_TIMEOUT_S)
+    monkeypatch.setattr(cpu, "_library", cpu.bind(ctypes.CDLL(str(target))))
+    for seed, head_dim, group in [(0, 64, 3), (1, 128, 1), (2, 40, 2)]:
+        call = random_call(seed, [300, 17, 1, 64], [1, 5, 1, 64], group=group, head_dim=head_dim, shared_prefix=16)
+        assert max_error(call, window=100 if seed == 1 else None) <= TOLERANCE[torch.float32]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

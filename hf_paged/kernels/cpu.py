@@ -65,14 +65,18 @@ def library() -> ctypes.CDLL:
     """The built kernel (raises `KernelBuildError` where it cannot be built)."""
     global _library
     if _library is None:
-        lib = load_library(SOURCE)
-        lib.hf_paged_attention.argtypes = [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_int]
-        lib.hf_paged_attention.restype = ctypes.c_int
-        lib.hf_paged_abi_version.restype = ctypes.c_int
-        if lib.hf_paged_abi_version() != ABI_VERSION:
-            raise RuntimeError(f"{SOURCE.name}: ABI {lib.hf_paged_abi_version()}, expected {ABI_VERSION}")
-        _library = lib
+        _library = bind(load_library(SOURCE))
     return _library
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib`, a build of `SOURCE`, with its entry points typed (raises `RuntimeError` for another ABI)."""
+    lib.hf_paged_attention.argtypes = [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_int]
+    lib.hf_paged_attention.restype = ctypes.c_int
+    lib.hf_paged_abi_version.restype = ctypes.c_int
+    if lib.hf_paged_abi_version() != ABI_VERSION:
+        raise RuntimeError(f"{SOURCE.name}: ABI {lib.hf_paged_abi_version()}, expected {ABI_VERSION}")
+    return lib
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor | QuantizedPages) -> bool:

@@ -8,10 +8,11 @@
 //
 // Work is split into items (row, KV head, query tile, key split), run in parallel with OpenMP on at most one thread
 // per min_work_per_thread query-vector x key products; an item loads each K/V row of its range once, as fp32, for all
-// the query heads of its KV head: four keys' dot products with a query vector run side by side (independent sums),
-// and each query vector's output accumulates a block's weighted values in registers. Rows with few items (a small
-// decode batch) split their keys; the splits are merged with their log-sum-exp. Plain C ABI (called through
-// ctypes): no torch headers, so it builds in about a second.
+// the query heads of its KV head: four keys' dot products with a query vector run side by side (independent sums;
+// with AVX-512, the four vectors of partial sums are added across their lanes together), and each query vector's
+// output accumulates a block's weighted values in registers. Rows with few items (a small decode batch) split their
+// keys; the splits are merged with their log-sum-exp. Plain C ABI (called through ctypes): no torch headers, so it
+// builds in about a second.
 //
 // Quantized pages (hf_paged.kv_format): K/V held as int8 codes, or int4 codes two a byte (low nibble first, stored
 // as code + 8), with a bfloat16 scale per token and KV head; a row is dequantized as code * scale in fp32 as it is
@@ -26,6 +27,9 @@
 #include <vector>
 
 #include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -186,9 +190,38 @@ constexpr int row_bytes<Q4>(int D) {
 constexpr int kKeyGroup = 4;  // keys whose dot products with one query vector run side by side
 constexpr int kPrefetchBlocks = 4;  // how far ahead an item asks for its blocks (measured: 2, 4, 8, 16)
 
+#if defined(__AVX512F__)
+// out[0..3] = the sums of the 16 lanes of s0 .. s3, added across the four vectors at once (two unpacks, a shuffle,
+// two halvings) rather than one vector at a time.
+inline void store_lane_sums(__m512 s0, __m512 s1, __m512 s2, __m512 s3, float* out) {
+  // each 128-bit lane: [a0 + a2, b0 + b2, a1 + a3, b1 + b3], then [a, b, c, d] partial sums
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(s0, s1), _mm512_unpackhi_ps(s0, s1));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(s2, s3), _mm512_unpackhi_ps(s2, s3));
+  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1));
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), high);
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1)));
+}
+#endif
+
 // The dot products of `q` with the kKeyGroup rows `k`: independent sums, so their latencies overlap.
 template <int HD>
 inline void dot_group(const float* q, const float* const* k, int D, float* out) {
+#if defined(__AVX512F__)
+  if constexpr (HD > 0 && HD % 16 == 0) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps(), s2 = _mm512_setzero_ps(), s3 = _mm512_setzero_ps();
+    for (int d = 0; d < HD; d += 16) {
+      const __m512 x = _mm512_loadu_ps(q + d);
+      s0 = _mm512_fmadd_ps(x, _mm512_loadu_ps(k[0] + d), s0);
+      s1 = _mm512_fmadd_ps(x, _mm512_loadu_ps(k[1] + d), s1);
+      s2 = _mm512_fmadd_ps(x, _mm512_loadu_ps(k[2] + d), s2);
+      s3 = _mm512_fmadd_ps(x, _mm512_loadu_ps(k[3] + d), s3);
+    }
+    store_lane_sums(s0, s1, s2, s3, out);
+    return;
+  }
+#endif
   const int n = HD > 0 ? HD : D;
   const float *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3];
   float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
