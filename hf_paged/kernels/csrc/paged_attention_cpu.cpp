@@ -10,9 +10,9 @@
 // per min_work_per_thread query-vector x key products; an item loads each K/V row of its range once, as fp32, for all
 // the query heads of its KV head: four keys' dot products with a query vector run side by side (independent sums;
 // with AVX-512, the four vectors of partial sums are added across their lanes together), and each query vector's
-// output accumulates a block's weighted values in registers. Rows with few items (a small decode batch) split their
-// keys; the splits are merged with their log-sum-exp. Plain C ABI (called through ctypes): no torch headers, so it
-// builds in about a second.
+// output accumulates a block's weighted values in registers (with AVX-512, four query vectors at a time, each value
+// row loaded once for them). Rows with few items (a small decode batch) split their keys; the splits are merged
+// with their log-sum-exp. Plain C ABI (called through ctypes): no torch headers, so it builds in about a second.
 //
 // Quantized pages (hf_paged.kv_format): K/V held as int8 codes, or int4 codes two a byte (low nibble first, stored
 // as code + 8), with a bfloat16 scale per token and KV head; a row is dequantized as code * scale in fp32 as it is
@@ -267,6 +267,49 @@ inline void accumulate(float* acc, const float* weights, const float* const* v, 
   }
 }
 
+#if defined(__AVX512F__)
+// acc[m] += sum_j weights[m][j] * v[j] for kVectors query vectors m at once (rows `acc_stride` and `weight_stride`
+// apart): every value row is loaded once for all of them, and their sums are independent chains in registers.
+template <int HD, int kVectors>
+inline void accumulate_vectors(float* acc, size_t acc_stride, const float* weights, size_t weight_stride,
+                               const float* const* v, int n) {
+  constexpr int C = HD / 16;
+  __m512 a[kVectors][C];
+  for (int m = 0; m < kVectors; ++m)
+    for (int c = 0; c < C; ++c) a[m][c] = _mm512_loadu_ps(acc + m * acc_stride + 16 * c);
+  for (int j = 0; j < n; ++j) {
+    __m512 row[C];
+    for (int c = 0; c < C; ++c) row[c] = _mm512_loadu_ps(v[j] + 16 * c);
+    for (int m = 0; m < kVectors; ++m) {
+      const __m512 w = _mm512_set1_ps(weights[m * weight_stride + j]);
+      for (int c = 0; c < C; ++c) a[m][c] = _mm512_fmadd_ps(w, row[c], a[m][c]);
+    }
+  }
+  for (int m = 0; m < kVectors; ++m)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + m * acc_stride + 16 * c, a[m][c]);
+}
+#endif
+
+// acc[m] += sum_j weights[m][j] * v[j] for the M query vectors of an item (accumulators D apart, weights bs apart).
+template <int HD>
+inline void accumulate_all(float* acc, const float* weights, const float* const* v, int M, int n, int D, int bs) {
+  int m = 0;
+#if defined(__AVX512F__)
+  if constexpr (HD > 0 && HD % 16 == 0) {
+    constexpr int kVectors = HD <= 64 ? 4 : 2;  // accumulators that fit the 32 vector registers with a value row
+    for (; m + kVectors <= M; m += kVectors) {
+      accumulate_vectors<HD, kVectors>(acc + static_cast<size_t>(m) * D, D, weights + static_cast<size_t>(m) * bs, bs,
+                                       v, n);
+    }
+    for (; m < M; ++m) {
+      accumulate_vectors<HD, 1>(acc + static_cast<size_t>(m) * D, D, weights + static_cast<size_t>(m) * bs, bs, v, n);
+    }
+    return;
+  }
+#endif
+  for (; m < M; ++m) accumulate<HD>(acc + static_cast<size_t>(m) * D, weights + static_cast<size_t>(m) * bs, v, n, D);
+}
+
 // Attend the queries of one item over its key range. T: the query's and output's type; KV: the stored K/V's (T,
 // or quantized codes). HD: the head dim when known at compile time (0: p.head_dim).
 template <typename T, typename KV, int HD>
@@ -400,9 +443,7 @@ void run_item(const Params& p, const Item& item, size_t slot_stride, float* part
       v_rows[j] = row_as_float(vc, block_base + j * p.kv_stride_token, p.value_scales,
                                scale_base + j * p.scale_stride_token, D, &v_buffer[static_cast<size_t>(j) * D]);
     }
-    for (int m = 0; m < M; ++m) {
-      accumulate<HD>(&acc[static_cast<size_t>(m) * D], &scores[static_cast<size_t>(m) * bs], v_rows.data(), n, D);
-    }
+    accumulate_all<HD>(acc.data(), scores.data(), v_rows.data(), M, n, D, bs);
   }
 
   if (item.slot >= 0) {  // a key split: keep the unnormalised state for the merge
