@@ -27,9 +27,15 @@ def gloo_available() -> bool:
 
 
 def free_port() -> int:
+    """A loopback port free now; whoever binds it later may find it taken (see `lost_its_port`)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def lost_its_port(output: str) -> bool:
+    """Whether a process's output (or a rank's traceback) says the port it was given had been taken meanwhile."""
+    return "address already in use" in output.lower()
 
 
 def rank_main(work, rank: int, world_size: int, port: int, out_dir: str, args: tuple) -> None:
@@ -77,7 +83,7 @@ def run_ranks(work, args: tuple, out_dir: Path, world_size: int = 2, timeout_s: 
         try:
             return _run_ranks_once(work, args, out_dir, world_size, timeout_s)
         except RuntimeError as error:
-            if "address already in use" not in str(error).lower() or attempt == PORT_ATTEMPTS:
+            if not lost_its_port(str(error)) or attempt == PORT_ATTEMPTS:
                 raise
             for path in Path(out_dir).glob("rank*.err"):
                 path.unlink()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,15 +16,11 @@ import pytest
 
 from hf_paged.reference_models import smollm2_path, tiny_model
 
+from .distributed_helpers import PORT_ATTEMPTS, free_port, lost_its_port
+
 API_KEY = "test-key"
 TINY = "tiny"
 TINY_CONTEXT = 8192
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def save_tiny_model(folder: Path, add_bos: bool = False, **overrides) -> Path:
@@ -56,10 +51,8 @@ class ServerProcess:
     parallel test) can take it in between: a server that exits because its address is in use is started again on
     another port, up to `PORT_ATTEMPTS` times."""
 
-    PORT_ATTEMPTS = 4
-
     def __init__(self, model_path: Path, *options: str, env: dict | None = None, timeout_s: float = 180):
-        for attempt in range(1, self.PORT_ATTEMPTS + 1):
+        for attempt in range(1, PORT_ATTEMPTS + 1):
             self.port = free_port()
             self.base = f"http://127.0.0.1:{self.port}"
             command = [sys.executable, "-m", "hf_paged.serve", "serve", str(model_path), "--port", str(self.port)]
@@ -74,7 +67,7 @@ class ServerProcess:
             output = self._wait_until_up(timeout_s)
             if output is None:
                 return
-            if "address already in use" not in output.lower() or attempt == self.PORT_ATTEMPTS:
+            if not lost_its_port(output) or attempt == PORT_ATTEMPTS:
                 pytest.fail(f"the server exited: {output}")
 
     def _wait_until_up(self, timeout_s: float) -> str | None:
