@@ -1,11 +1,13 @@
 """The server holds its memory flat: thousands of requests of a mixed load (completions and chat, streamed or not,
 log-probabilities, stop strings, bad requests) through the real app, in process, leave no per-request Python
-memory behind once the bounded structures are full (the prefix-cache index, at most one entry a block, and
-`TokenTexts`' cache, at most `TOKEN_CACHE_SIZE` tokens: made small here so the warm-up fills both)."""
+memory behind once the bounded structures are full (the prefix-cache index, at most one entry a block,
+`TokenTexts`' cache, at most `TOKEN_CACHE_SIZE` tokens, and the Engine's sample of time-to-first-token values, at most
+`RESERVOIR_SIZE`: the last two made small here so the warm-up fills them)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import random
 import threading
@@ -16,6 +18,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from hf_paged import Engine
+from hf_paged.engine import engine as engine_module
+from hf_paged.engine.stats import Reservoir
 from hf_paged.reference_models import smollm2_path, tiny_model
 from hf_paged.serve import replies
 from hf_paged.serve.loop import EngineLoop
@@ -95,6 +99,7 @@ def test_prompts_are_tokenized_on_one_thread(monkeypatch):
 @pytest.mark.slow
 def test_server_memory_is_flat_over_thousands_of_requests(monkeypatch):
     monkeypatch.setattr(replies, "TOKEN_CACHE_SIZE", 64)
+    monkeypatch.setattr(engine_module, "Reservoir", functools.partial(Reservoir, size=64))
     loop, app = tiny_app()
     rng = random.Random(26)
 
