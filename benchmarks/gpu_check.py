@@ -3,7 +3,8 @@
 table `| part | case | result | verdict |` for the whole run, each row printed as soon as it is measured (so a run
 cut short still shows every row it measured).
 
-Parts (sized to stay under 8 minutes on one H100/H200-class GPU with the defaults; not yet timed on one):
+Parts (sized to stay under 8 minutes on one H100/H200-class GPU with the defaults; on an H200 without flash-attn:
+kernels 13 s, exactness 10 s, decode 75 s, serving 93 s):
 
 1. **kernels**: every backend that runs here (`gather`, `triton`, `flash`) against the gather reference on random
    block tables (block sizes 16, 32, 256; GQA; windows; softcap; mixed query counts), fp32 and bf16: max abs error.
@@ -13,7 +14,8 @@ Parts (sized to stay under 8 minutes on one H100/H200-class GPU with the default
    greedy and beam search. fp32: `ok` only if the tokens are equal. bf16: tokens may differ (reported), the verdict
    is on the first step's scores, `ok` when their max abs difference is within `BF16_SCORES_TOLERANCE` (2e-2).
 3. **decode**: decode tokens/s of a random-weight Llama (`--layers`, `--hidden`; bf16) at batch 1/8/32 x context
-   512..8192: paged (`kernel="auto"`) vs `DynamicCache` vs `StaticCache` (not compiled), and the peak CUDA memory
+   512..8192: paged (`kernel="auto"`) vs `DynamicCache` vs `StaticCache` (which `generate` compiles on CUDA by itself),
+   each timed on its second `generate` of the shape (the first compiles and allocates), and the peak CUDA memory
    each run added to the weights (cache, activations). Verdict: paged's speed over DynamicCache's, no pass/fail.
 4. **serving**: the Engine vs `generate_batch` (transformers' continuous batching, flash-attn 2 where installed,
    else SDPA) on the ShareGPT-like workload of benchmarks/engine_throughput.py: tokens/s, peak memory. Verdict: the
@@ -320,6 +322,7 @@ def decode_part(args) -> Iterator[Cells]:
             rates, cells = {}, []
             for system, options in systems.items():
                 try:
+                    decode_rate(model, batch, context, args.decode_tokens, **options)  # warm-up: compiles StaticCache
                     rates[system], peak = decode_rate(model, batch, context, args.decode_tokens, **options)
                     cells.append(f"{system} {rates[system]:,.0f} tok/s ({peak:.1f} GiB)")
                 except torch.OutOfMemoryError:
