@@ -4,7 +4,7 @@ table `| part | case | result | verdict |` for the whole run, each row printed a
 cut short still shows every row it measured).
 
 Parts (sized to stay under 8 minutes on one H100/H200-class GPU with the defaults; on an H200 without flash-attn:
-kernels 13 s, exactness 10 s, decode 75 s, serving 93 s):
+kernels 13 s, exactness 10 s, decode 75 s with one timed run a shape, serving 93 s):
 
 1. **kernels**: every backend that runs here (`gather`, `triton`, `flash`) against the gather reference on random
    block tables (block sizes 16, 32, 256; GQA; windows; softcap; mixed query counts), fp32 and bf16: max abs error.
@@ -15,8 +15,9 @@ kernels 13 s, exactness 10 s, decode 75 s, serving 93 s):
    is on the first step's scores, `ok` when their max abs difference is within `BF16_SCORES_TOLERANCE` (2e-2).
 3. **decode**: decode tokens/s of a random-weight Llama (`--layers`, `--hidden`; bf16) at batch 1/8/32 x context
    512..8192: paged (`kernel="auto"`) vs `DynamicCache` vs `StaticCache` (which `generate` compiles on CUDA by itself),
-   each timed on its second `generate` of the shape (the first compiles and allocates), and the peak CUDA memory
-   each run added to the weights (cache, activations). Verdict: paged's speed over DynamicCache's, no pass/fail.
+   each timed over `--repeats` more `generate`s of the shape after an untimed one (which compiles and allocates):
+   the median tokens/s, and the peak CUDA memory the runs added to the weights (cache, activations). Verdict:
+   paged's speed over DynamicCache's, no pass/fail.
 4. **serving**: the Engine vs `generate_batch` (transformers' continuous batching, flash-attn 2 where installed,
    else SDPA) on the ShareGPT-like workload of benchmarks/engine_throughput.py: tokens/s, peak memory. Verdict: the
    Engine's speed over generate_batch's, no pass/fail.
@@ -25,7 +26,7 @@ Each part opens with a `setup` row (what it measures, on what) and ends with a `
 prints one `failed` row (verdict `FAIL`) and the next part still runs.
 
 Usage: python benchmarks/gpu_check.py [--parts kernels exactness decode serving] [--contexts 512 2048 8192]
-       [--batches 1 8 32] [--decode-tokens 32] [--requests 200]
+       [--batches 1 8 32] [--decode-tokens 32] [--repeats 3] [--requests 200]
 
 Without a CUDA device it prints one line saying so and exits with status 0.
 """
@@ -36,6 +37,7 @@ import argparse
 import contextlib
 import importlib
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -322,8 +324,11 @@ def decode_part(args) -> Iterator[Cells]:
             rates, cells = {}, []
             for system, options in systems.items():
                 try:
-                    decode_rate(model, batch, context, args.decode_tokens, **options)  # warm-up: compiles StaticCache
-                    rates[system], peak = decode_rate(model, batch, context, args.decode_tokens, **options)
+                    shape = (model, batch, context, args.decode_tokens)
+                    decode_rate(*shape, **options)  # warm-up: compiles StaticCache
+                    runs = [decode_rate(*shape, **options) for _ in range(args.repeats)]
+                    rates[system] = statistics.median(rate for rate, _ in runs)
+                    peak = max(peak for _, peak in runs)
                     cells.append(f"{system} {rates[system]:,.0f} tok/s ({peak:.1f} GiB)")
                 except torch.OutOfMemoryError:
                     cells.append(f"{system} out of memory")
@@ -400,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", nargs="+", type=int, default=[512, 2048, 8192])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3, help="timed generates per decode shape and system (median)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--block-size", type=int, default=None, help="default: 256 with flash-attn, else 16")

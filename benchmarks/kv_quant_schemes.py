@@ -110,6 +110,18 @@ def keys_centered(bits: int, block: int, scales_per_token: int):
     return round_trip
 
 
+def first_tokens_exact(round_trip, tokens: int):
+    """Round trip of `round_trip` with a sequence's first `tokens` tokens left unquantized (the attention sink and
+    the start of the prompt, which most queries weigh heavily)."""
+
+    def partly(x: torch.Tensor) -> torch.Tensor:
+        out = round_trip(x)
+        out[:, :, :tokens] = x[:, :, :tokens]
+        return out
+
+    return partly
+
+
 def open_group(name: str) -> int:
     """Tokens a scheme's quantization group (its block) holds; per-channel schemes keep their open group unquantized,
     so a running sequence also holds up to that many tokens' keys in full precision."""
@@ -178,6 +190,10 @@ SCHEMES = {  # name: (keys, values, bytes of K, bytes of V per token and head)
                                                       bytes_shipped(4)),
     "int4, keys centred (16), 2 scales a token": (keys_centered(4, 16, 2), shipped("int4"), bytes_shipped(4) + 2,
                                                   bytes_shipped(4)),
+    "int8, first 4 tokens unquantized": (first_tokens_exact(shipped("int8"), 4), first_tokens_exact(shipped("int8"), 4),
+                                         bytes_shipped(8), bytes_shipped(8)),
+    "int8, first block (16) unquantized": (first_tokens_exact(shipped("int8"), 16),
+                                           first_tokens_exact(shipped("int8"), 16), bytes_shipped(8), bytes_shipped(8)),
 }  # fmt: skip
 
 

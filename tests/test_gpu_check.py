@@ -45,7 +45,7 @@ def test_without_a_cuda_device_it_says_so_and_exits_cleanly():
 def test_every_part_runs_on_tiny_cpu_shapes_into_one_table():
     arguments = [
         "--device", "cpu", "--contexts", "16", "--batches", "1", "2", "--decode-tokens", "3", "--layers", "1",
-        "--hidden", "128", "--requests", "4", "--budget-tokens", "512", "--scale", "0.02",
+        "--hidden", "128", "--requests", "4", "--budget-tokens", "512", "--scale", "0.02", "--repeats", "2",
     ]  # fmt: skip
     env = {**os.environ, "TRITON_INTERPRET": "1"}  # the Triton kernel on CPU tensors, as in tests/test_triton.py
     result = subprocess.run(
