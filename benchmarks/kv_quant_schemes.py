@@ -17,6 +17,7 @@ rotated by `H`, symmetric codes):
   first.
 - Keys "centred on the previous block": nothing kept in full precision; each block is centred on the mean of
   the previous block as read back (derivable by every reader: no bytes), then quantized per token as shipped.
+- "first N tokens unquantized": as shipped, except a sequence's first N tokens (keys and values) kept exact.
 - Values: as shipped (per token).
 
 Bytes per cached token and head (head_dim 64) count codes, scales and zero points at bfloat16, vs bfloat16 pages
