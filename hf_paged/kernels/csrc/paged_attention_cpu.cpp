@@ -131,6 +131,57 @@ inline float exp_nonpositive(float x) {
   return p * two_n;
 }
 
+#if defined(__AVX512F__)
+// exp_nonpositive on 16 lanes, step for step (the portable loop below stays scalar: GCC's `omp simd` reduction
+// privatises its sum with a memset that the vectoriser gives up on)
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 reduced = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), reduced);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i two_n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(two_n));
+}
+
+// The lanes of a 16-wide chunk starting at j that hold one of n values.
+inline __mmask16 lanes_from(int j, int n) {
+  return n - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1u);
+}
+
+// The largest of s[0 .. n - 1] (-inf for none).
+inline float block_max16(const float* s, int n) {
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int j = 0; j < n; j += 16) {
+    const __mmask16 lanes = lanes_from(j, n);  // masked loads: nothing is read past s[n - 1]
+    best = _mm512_mask_max_ps(best, lanes, best, _mm512_maskz_loadu_ps(lanes, s + j));
+  }
+  return _mm512_reduce_max_ps(best);
+}
+
+// s[j] = exp(s[j] - max) (0 where s[j] is -inf, a key the query does not see), returning their sum.
+inline float exp_block16(float* s, int n, float max) {
+  const __m512 max_v = _mm512_set1_ps(max), hidden = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 sum = _mm512_setzero_ps();
+  for (int j = 0; j < n; j += 16) {
+    const __mmask16 lanes = lanes_from(j, n);
+    const __m512 x = _mm512_maskz_loadu_ps(lanes, s + j);
+    const __mmask16 seen = _mm512_mask_cmp_ps_mask(lanes, x, hidden, _CMP_NEQ_OQ);
+    const __m512 e = _mm512_maskz_mov_ps(seen, exp_nonpositive16(_mm512_sub_ps(x, max_v)));
+    _mm512_mask_storeu_ps(s + j, lanes, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+#endif
+
 // Online-softmax state of one query vector.
 struct State {
   float max, sum;
@@ -412,8 +463,12 @@ void run_item(const Params& p, const Item& item, size_t slot_stride, float* part
     bool any = false;
     for (int m = 0; m < M; ++m) {
       float* sm = &scores[static_cast<size_t>(m) * bs];
+#if defined(__AVX512F__)
+      const float block_max = block_max16(sm, n);
+#else
       float block_max = neg_inf;
       for (int j = 0; j < n; ++j) block_max = std::max(block_max, sm[j]);
+#endif
       if (block_max == neg_inf) {  // no key of this block is visible to m
         for (int j = 0; j < n; ++j) sm[j] = 0.0f;
         continue;
@@ -422,6 +477,9 @@ void run_item(const Params& p, const Item& item, size_t slot_stride, float* part
       State& st = state[m];
       const float new_max = std::max(st.max, block_max);
       const float alpha = st.max == neg_inf ? 0.0f : exp_nonpositive(st.max - new_max);
+#if defined(__AVX512F__)
+      const float block_sum = exp_block16(sm, n, new_max);
+#else
       float block_sum = 0.0f;
 #pragma omp simd reduction(+ : block_sum)
       for (int j = 0; j < n; ++j) {
@@ -429,6 +487,7 @@ void run_item(const Params& p, const Item& item, size_t slot_stride, float* part
         sm[j] = e;
         block_sum += e;
       }
+#endif
       st.sum = st.sum * alpha + block_sum;
       st.max = new_max;
       if (alpha != 1.0f) {
