@@ -113,17 +113,20 @@ struct Scalar<F16> {
 };
 
 // exp(x) for x <= 0 (arguments here are logit - running max): Cody-Waite range reduction and a degree-6
-// polynomial, within 2 ulp of expf; written so the compiler vectorises it.
+// polynomial, within 2 ulp of expf. Its constants, shared by the scalar and the 16-lane form:
+constexpr float kExpFloor = -87.0f;                                // below it exp underflows
+constexpr float kLog2e = 1.44269504088896341f;                     // 1 / ln 2
+constexpr float kLn2High = 0.693359375f, kLn2Low = 2.12194440e-4f;  // ln 2 = kLn2High - kLn2Low
+constexpr int kExpTerms = 6;
+constexpr float kExpPolynomial[kExpTerms] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                             4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  x = x < kExpFloor ? kExpFloor : x;
+  const float n = std::floor(x * kLog2e + 0.5f);
+  const float r = x - n * kLn2High + n * kLn2Low;
+  float p = kExpPolynomial[0];
+  for (int i = 1; i < kExpTerms; ++i) p = p * r + kExpPolynomial[i];
   p = p * r * r + r + 1.0f;
   int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float two_n;
@@ -132,20 +135,16 @@ inline float exp_nonpositive(float x) {
 }
 
 #if defined(__AVX512F__)
-// exp_nonpositive on 16 lanes, step for step (the portable loop below stays scalar: GCC's `omp simd` reduction
+// exp_nonpositive on 16 lanes, step for step (the portable softmax loop stays scalar: GCC's `omp simd` reduction
 // privatises its sum with a memset that the vectoriser gives up on)
 inline __m512 exp_nonpositive16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+  x = _mm512_max_ps(x, _mm512_set1_ps(kExpFloor));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(0.5f)),
                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 reduced = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), reduced);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 reduced = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(kLn2Low), reduced);
+  __m512 p = _mm512_set1_ps(kExpPolynomial[0]);
+  for (int i = 1; i < kExpTerms; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPolynomial[i]));
   p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
   const __m512i two_n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(two_n));
