@@ -254,17 +254,18 @@ def test_engine_packed_steps_split_between_the_kernel_and_gather():
     from hf_paged.reference_models import tiny_model
 
     model = tiny_model("llama")
-    engine = hf_paged.Engine(model, block_size=4, num_blocks=256, progress=False, max_prefill_tokens=64)
-    prompts = [[5 + i] * length for i, length in enumerate([3, 40, 7, 2, 25])]
+    long = AUTO_CPU_MAX_QUERIES + 40  # its prompt chunk is wider than the kernel takes under "auto"
+    engine = hf_paged.Engine(model, block_size=4, num_blocks=512, progress=False, max_prefill_tokens=long + 64)
+    prompts = [[5 + i] * length for i, length in enumerate([3, long, 7, 2, 25])]
     outputs = engine.generate(prompts, [hf_paged.SamplingParams(max_new_tokens=6, eos_token_id=())] * 5)
     calls = engine.cache.attention_calls
     assert engine.cache.kernel.max_queries == AUTO_CPU_MAX_QUERIES
-    # decoding rows and short chunks in place; the chunks of the 40- and 25-token prompts gather
+    # decoding rows and short chunks in place; the long prompt's chunk gathers
     assert calls["cpu"] > 0 and calls["gather"] > 0
     assert engine.stats().attention_kernel == "cpu" and engine.stats().attention_calls == calls
     from hf_paged.serve.metrics import MetricsSnapshot, render_metrics
 
-    totals = {"requests": 5, "prompt_tokens": 77, "generation_tokens": 30}
+    totals = {"requests": 5, "prompt_tokens": sum(map(len, prompts)), "generation_tokens": 30}
     text = render_metrics(MetricsSnapshot.take(engine, totals, 0.0)).splitlines()
     assert 'hf_paged_attention_kernel_info{kernel="cpu"} 1' in text
     assert f'hf_paged_attention_calls_total{{kernel="gather"}} {calls["gather"]}' in text

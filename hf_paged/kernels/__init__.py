@@ -16,8 +16,8 @@ steps. Backends:
 
 `resolve_kernel(name, device, block_size)` turns a `cache_config={"kernel": ...}` choice into a `KernelChoice`:
 `"auto"` picks the fastest backend available for the device and block size and, per call, for the shape (on the
-CPU, rows of at most `AUTO_CPU_MAX_QUERIES` queries read in place; longer prompt chunks gather, where SDPA's blocked
-matmuls win; on CUDA flash-attn where it takes the block size, else the Triton kernel, else gather).
+CPU, rows of at most `AUTO_CPU_MAX_QUERIES` (256) queries read in place; longer prompt chunks gather, where SDPA's
+blocked matmuls catch up; on CUDA flash-attn where it takes the block size, else the Triton kernel, else gather).
 
 Example:
 
@@ -55,7 +55,7 @@ from .build import KernelBuildError
 from .reference import gather_paged_attention
 
 KERNELS = ("auto", "gather", "cpu", "triton", "flash")
-AUTO_CPU_MAX_QUERIES = 8  # measured: benchmarks/paged_kernel.py (docs/benchmarks.md)
+AUTO_CPU_MAX_QUERIES = 256  # measured: benchmarks/paged_kernel.py, benchmarks/in_place_queries.py (docs/benchmarks.md)
 DEFAULT_BLOCK_SIZE = 16  # tokens per block unless cache_config names a size (or "auto" picks 256 for flash-attn)
 DEFAULT_KERNEL = os.environ.get("HF_PAGED_KERNEL", "auto")
 
