@@ -1,16 +1,17 @@
 """Whole-model prompt chunks over a cached context: how many new tokens a row may have and still read its K/V in
 place under `kernel="auto"` on the CPU (`kernels.AUTO_CPU_MAX_QUERIES`), measured side by side in one run.
 
-For each (batch, cached context, new tokens) a random prompt of `context` tokens is generated once, so prefix
-caching holds its full blocks; then every round appends `new` fresh random tokens to it (other tokens for every
-setting and round, so no setting reuses the blocks another computed) and times one greedy `generate` of one token:
-the forward that matters is the prefill of the new tokens over the cached context, rows of `new` queries. Each value
-of `--limits` is set as `AUTO_CPU_MAX_QUERIES` in turn ("none": no limit); with a limit below `new` those rows gather
-K/V and run SDPA, at or above it they read in place. The table shows the median of `--rounds` calls and each
-setting's speed-up over the first. The tokens must agree (fp32; checked on one shared input per shape).
+For each (batch, cached context, new tokens) a random prompt of `context` tokens is generated once, so prefix caching
+holds its full blocks; then every round appends `new` fresh random tokens to it (other tokens for every setting and
+round, so no setting reuses the blocks another computed) and times one greedy `generate` of one token: the forward
+that matters is the prefill of the new tokens over the cached context, rows of `new` queries (a context of 0: a whole
+new prompt, e.g. `1x0+2048`). Each value of `--limits` is set as `AUTO_CPU_MAX_QUERIES` in turn ("none": no limit);
+with a limit below `new` those rows gather K/V and run SDPA, at or above it they read in place. The table shows the
+median of `--rounds` calls and each setting's speed-up over the first. The tokens are checked to agree on one shared
+input per shape (in fp32 they must; in bfloat16 they may not).
 
 Usage: python benchmarks/in_place_queries.py [--model smollm2|tiny] [--limits 8 64 256] [--rounds 5]
-       [--shapes 1x2048+24 8x1024+64 ...]
+       [--shapes 1x2048+24 8x1024+64 ...] [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def generate_one(model, input_ids: torch.Tensor) -> torch.Tensor:
 def measure(model, batch: int, context: int, new: int, limits: list, rounds: int, vocab: int) -> tuple[list, bool]:
     """Median seconds per limit, and whether every limit gave the same tokens on one shared input."""
     cached = torch.randint(100, vocab, (batch, context), generator=torch.Generator().manual_seed(context + new))
-    generate_one(model, cached)  # its full blocks stay cached for the timed calls
+    if context:
+        generate_one(model, cached)  # its full blocks stay cached for the timed calls
     times: list[list[float]] = [[] for _ in limits]
     for round_ in range(rounds):
         for i, limit in enumerate(limits):
@@ -88,10 +90,13 @@ def main() -> None:
     parser.add_argument("--limits", nargs="+", type=parse_limit, default=[8, 64, 256])
     parser.add_argument("--shapes", nargs="+", type=parse_shape, default=[parse_shape(s) for s in DEFAULT_SHAPES])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's (and pool's)")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     model, label = load_model(args.model)
+    if args.dtype != "float32":
+        model, label = model.to(getattr(torch, args.dtype)), f"{label.replace(' (fp32)', '')} in {args.dtype}"
     vocab = min(model.config.vocab_size, 40_000)
     names = ["none" if limit is None else str(limit) for limit in args.limits]
     headers = ["batch", "cached context", "new tokens"] + [f"limit {n} ms" for n in names]
