@@ -135,6 +135,27 @@ def test_decode_steps_read_the_blocks_in_place_and_match_stock():
     assert calls == {"gather": 2, "cpu": 14}  # the left-padded prefill gathers; 7 decode steps x 2 layers in place
 
 
+def test_auto_reads_a_prompt_chunk_over_a_cached_prefix_in_place():
+    """Under kernel="auto" a chunk of dozens of new tokens over blocks prefix caching found reads them in place
+    (`AUTO_CPU_MAX_QUERIES`, measured: benchmarks/in_place_queries.py), token-identical to stock."""
+    import hf_paged  # noqa: F401
+    from hf_paged.kernels import AUTO_CPU_MAX_QUERIES
+    from hf_paged.reference_models import tiny_model
+
+    model = tiny_model("llama")
+    generator = torch.Generator().manual_seed(7)
+    prefix = torch.randint(3, 120, (1, 32), generator=generator)
+    paged_generate(model, prefix, torch.ones_like(prefix), "auto")  # its full blocks stay cached
+    input_ids = torch.cat([prefix, torch.randint(3, 120, (1, 40), generator=generator)], dim=1)
+    stock = model.generate(
+        input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=8, do_sample=False
+    )
+    out, calls = paged_generate(model, input_ids, torch.ones_like(input_ids), "auto")
+    assert 40 <= AUTO_CPU_MAX_QUERIES
+    assert torch.equal(out.sequences, stock)
+    assert calls == {"cpu": 16}  # the 40-token chunk over 32 cached tokens and 7 decode steps, x 2 layers
+
+
 def test_block_tables_are_built_once_per_forward_not_per_layer(monkeypatch):
     """A kernel's int32 block tables and lengths are made (and copied to the device) once per forward and layer
     group, however many layers read them."""

@@ -207,7 +207,8 @@ def test_gather_reference_matches_eager_attention_on_a_dense_batch():
 def test_resolve_kernel():
     assert kernels.resolve_kernel("gather", "cpu") == kernels.KernelChoice("gather", "gather")
     auto = kernels.resolve_kernel("auto", "cpu")
-    assert auto.backend == "cpu" and auto.takes(1) and not auto.takes(kernels.AUTO_CPU_MAX_QUERIES + 1)
+    assert auto.backend == "cpu" and auto.takes(1) and auto.takes(kernels.AUTO_CPU_MAX_QUERIES)
+    assert not auto.takes(kernels.AUTO_CPU_MAX_QUERIES + 1)
     assert kernels.resolve_kernel("cpu", "cpu").takes(10_000)
     assert kernels.resolve_kernel("auto", "meta").backend == "gather"
     with pytest.raises(
