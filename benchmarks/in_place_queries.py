@@ -23,10 +23,10 @@ import time
 import torch
 from common import environment, load_model, markdown_table
 
+import hf_paged
 import hf_paged.kernels as kernels
 
-DEFAULT_SHAPES = ["1x2048+24", "1x2048+64", "1x2048+128", "1x2048+256", "8x1024+24", "8x1024+64", "8x1024+128"]
-DEFAULT_SHAPES += ["8x2048+100"]
+DEFAULT_SHAPES = "1x2048+24 1x2048+64 1x2048+128 1x2048+256 8x1024+24 8x1024+64 8x1024+128 8x2048+100".split()
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
@@ -78,6 +78,10 @@ def measure(model, batch: int, context: int, new: int, limits: list, rounds: int
     shared = torch.cat([cached, torch.randint(100, vocab, (batch, new), generator=torch.Generator().manual_seed(0))], 1)
     outputs = []
     for limit in limits:
+        # only the context cached, so every limit computes the shared new tokens itself (not the first one's blocks)
+        hf_paged.get_pool(model).clear_prefix_cache()
+        if context:
+            generate_one(model, cached)
         kernels.AUTO_CPU_MAX_QUERIES = limit
         outputs.append(generate_one(model, shared))
     same = all(torch.equal(outputs[0], other) for other in outputs[1:])
