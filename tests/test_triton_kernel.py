@@ -171,3 +171,23 @@ def test_generate_on_quantized_pages_on_the_device_matches_stock_over_the_same_v
             assert torch.equal(out.sequences, expected), (kv_dtype, beams)
             assert set(out.past_key_values.attention_calls) == {"triton"}
             out.past_key_values.release()
+
+
+def test_keys_a_step_follow_the_products_and_the_page_format(monkeypatch):
+    """Half-precision products take 128 keys a step, fp32 64, fp32 over int8 pages 16 (measured on an H200:
+    docs/gpu.md); `TILE_N`, when set, overrides them all."""
+    from hf_paged.kernels import triton as backend
+
+    monkeypatch.setattr(backend, "interpreted", lambda: False)
+    tiles = {
+        (dtype, bits): backend.kernel_constants(dtype, 4, 128, 16, False, False, False, bits)["TILE_N"]
+        for dtype in (torch.bfloat16, torch.float16, torch.float32)
+        for bits in (0, 8, 4)
+    }
+    assert tiles == {
+        (torch.bfloat16, 0): 128, (torch.bfloat16, 8): 128, (torch.bfloat16, 4): 128,
+        (torch.float16, 0): 128, (torch.float16, 8): 128, (torch.float16, 4): 128,
+        (torch.float32, 0): 64, (torch.float32, 8): 16, (torch.float32, 4): 64,
+    }  # fmt: skip
+    monkeypatch.setattr(backend, "TILE_N", 32)
+    assert backend.kernel_constants(torch.bfloat16, 4, 128, 16, False, False, False, 0)["TILE_N"] == 32

@@ -26,7 +26,11 @@ import torch
 from ..kv_format import QuantizedPages, attends_rotated_pages
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-TILE_N = 16  # keys per inner step
+# keys per inner step, by (fp32 products, quantized bits), as measured on an H200 (benchmarks/gpu_page_formats.py
+# --tile-n; docs/gpu.md): half-precision products take 128 (2.0x-2.7x 16's speed at decode), fp32 spills beyond 64
+# (64: 1.7x-2.5x 16's; 128: 0.6x), and fp32 with int8 pages is fastest at 16 (64: 0.2x).
+TILE_N_BY_PRODUCTS = {(False, 0): 128, (False, 8): 128, (False, 4): 128, (True, 0): 64, (True, 8): 16, (True, 4): 64}
+TILE_N: int | None = None  # set: every call takes this many keys a step (to measure another choice)
 INSTALL_HINT = "pip install 'hf_paged[triton]'"
 
 
@@ -153,6 +157,7 @@ def kernel_constants(
         16
     """
     block_m = max(16, _next_power_of_2(group))
+    dot_fp32 = dtype == torch.float32 or interpreted()  # the interpreter's fp16/bf16 dots are wrong
     return dict(
         BLOCK_SIZE=block_size,
         GROUP=group,
@@ -160,11 +165,11 @@ def kernel_constants(
         HEAD_DIM_PADDED=max(16, _next_power_of_2(head_dim)),
         BLOCK_Q=block_m // group,
         BLOCK_M=block_m,
-        TILE_N=TILE_N,
+        TILE_N=TILE_N or TILE_N_BY_PRODUCTS[dot_fp32, quant_bits],
         USE_WINDOW=use_window,
         USE_SOFTCAP=use_softcap,
         USE_SINKS=use_sinks,
-        DOT_FP32=dtype == torch.float32 or interpreted(),  # the interpreter's fp16/bf16 dots are wrong
+        DOT_FP32=dot_fp32,
         QUANT_BITS=quant_bits,
     )
 
