@@ -59,13 +59,14 @@ def layer_call(batch, context, device, dtype, heads, kv_heads, head_dim, seed=0)
 
 
 def pages(cache: torch.Tensor, name: str):
-    """`cache` stored as `name` pages, and the bytes one token of it takes (codes and scales)."""
-    if name not in QUANTIZED:
-        return cache, cache[0, 0].numel() * cache.element_size()
-    fmt = kv_format(name)
-    codes, scales = fmt.quantize(cache)
-    token_bytes = codes[0, 0].numel() * codes.element_size() + scales[0, 0].numel() * scales.element_size()
-    return QuantizedPages(fmt, codes, scales, cache.dtype), token_bytes
+    """`cache` stored as `name` pages, and the bytes one token of it takes (codes and scales), as the pool counts
+    them (`KVFormat.bytes_per_head`)."""
+    fmt = kv_format(name if name in QUANTIZED else "auto")
+    _, _, kv_heads, head_dim = cache.shape
+    token_bytes = kv_heads * fmt.bytes_per_head(head_dim, cache.dtype)
+    if not fmt.quantized:
+        return cache, token_bytes
+    return QuantizedPages(fmt, *fmt.quantize(cache), cache.dtype), token_bytes
 
 
 def median_ms(fn, repeats: int, warmup: int, device: str) -> float:

@@ -25,6 +25,9 @@ VARIANTS = [
     ("bfloat16", 8, 2, 64, 16, False, True, False),
     ("float16", 4, 2, 64, 16, True, False, False),
 ]
+# (row lengths, queries per row, query heads per KV head, window, softcap) of the calls run on a CUDA device:
+# decode rows, then mixed chunks with a window and softcap
+DEVICE_CASES = [([300, 17, 64], [1, 1, 1], 4, None, None), ([300, 70, 64], [40, 17, 64], 2, 33, 30.0)]
 
 COMPILE = textwrap.dedent(
     """
@@ -110,9 +113,7 @@ def test_the_compiled_kernel_on_the_device_matches_the_reference(dtype, block_si
 
     from .test_kernels import TOLERANCE, random_call
 
-    for seed, (lengths, counts, group, window, softcap) in enumerate(
-        [([300, 17, 64], [1, 1, 1], 4, None, None), ([300, 70, 64], [40, 17, 64], 2, 33, 30.0)]
-    ):
+    for seed, (lengths, counts, group, window, softcap) in enumerate(DEVICE_CASES):
         call = random_call(seed, lengths, counts, group=group, head_dim=128, block_size=block_size, dtype=dtype)
         call = [tensor.cuda() for tensor in call]
         out = kernels.paged_attention(*call, scale=128**-0.5, window=window, softcap=softcap, kernel="triton")
@@ -132,9 +133,7 @@ def test_quantized_pages_on_the_device_match_dequantize_then_reference(kv_dtype,
     from .test_kernels import TOLERANCE, random_call
 
     fmt = kv_format(kv_dtype)
-    for seed, (lengths, counts, group, window, softcap) in enumerate(
-        [([300, 17, 64], [1, 1, 1], 4, None, None), ([300, 70, 64], [40, 17, 64], 2, 33, 30.0)]
-    ):
+    for seed, (lengths, counts, group, window, softcap) in enumerate(DEVICE_CASES):
         call = random_call(seed, lengths, counts, group=group, head_dim=64, block_size=16, dtype=dtype)
         query, key_cache, value_cache, tables, lengths, starts = [tensor.cuda() for tensor in call]
         key_pages = QuantizedPages(fmt, *fmt.quantize(key_cache), dtype)
