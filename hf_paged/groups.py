@@ -208,12 +208,16 @@ def _execution_devices(model: torch.nn.Module) -> set[str]:
 
 
 def layer_windows(model: torch.nn.Module, text_config) -> list[int | None]:
-    """The sliding window of each decoder layer (`None` for full attention); other layer kinds are refused."""
-    window = getattr(text_config, "sliding_window", None)
+    """The sliding window of each decoder layer (`None` for full attention); other layer kinds are refused. A
+    heterogeneous config (transformers' `per_layer_config`) may set the window layer by layer."""
     layer_types = layer_kinds(text_config)
+    if getattr(text_config, "is_heterogeneous", False):
+        windows = [getattr(layer_config, "sliding_window", None) for layer_config in text_config.per_layer_config]
+    else:
+        windows = [getattr(text_config, "sliding_window", None)] * len(layer_types)
     unsupported = sorted({t for t in layer_types if t not in ATTENTION_LAYER_KINDS})
     if unsupported:
         raise NotImplementedError(
             f"{type(model).__name__} has {unsupported} layers; PagedCache serves full and sliding-window attention"
         )
-    return [window if layer_type == "sliding_attention" else None for layer_type in layer_types]
+    return [window if kind == "sliding_attention" else None for kind, window in zip(layer_types, windows)]

@@ -20,13 +20,17 @@ def layer_kinds(text_config) -> list[str]:
     layer_types = getattr(text_config, "layer_types", None)
     if layer_types is not None:
         return list(layer_types)
-    if getattr(text_config, "sliding_window", None) is not None:
-        kind = "sliding_attention"
-    elif getattr(text_config, "attention_chunk_size", None) is not None:
-        kind = "chunked_attention"
-    else:
-        kind = "full_attention"
-    return [kind] * text_config.num_hidden_layers
+    if getattr(text_config, "is_heterogeneous", False):  # transformers' `per_layer_config`
+        return [_layer_kind(layer_config) for layer_config in text_config.per_layer_config]
+    return [_layer_kind(text_config)] * text_config.num_hidden_layers
+
+
+def _layer_kind(config) -> str:
+    if getattr(config, "sliding_window", None) is not None:
+        return "sliding_attention"
+    if getattr(config, "attention_chunk_size", None) is not None:
+        return "chunked_attention"
+    return "full_attention"
 
 
 def check_supported(model: torch.nn.Module) -> None:
@@ -60,7 +64,7 @@ def check_supported(model: torch.nn.Module) -> None:
             "output); PagedCache serves decoder-only models"
         )
     text_config = config.get_text_config(decoder=True)
-    if getattr(text_config, "num_attention_heads", None) is None:
+    if all(heads is None for heads in _layer_values(text_config, "num_attention_heads")):
         raise NotImplementedError(
             f"{name} has no attention heads (it keeps a recurrent state per layer); PagedCache stores the keys and "
             "values of attention layers"
@@ -73,9 +77,10 @@ def check_supported(model: torch.nn.Module) -> None:
             f"{name} has {unsupported} layers (layers {where[:8]}); PagedCache serves full and sliding-window "
             "attention layers, whose cache is per-token K/V (not a recurrent, linear-attention or chunked state)"
         )
-    if getattr(text_config, "kv_lora_rank", None) is not None:
+    latent_ranks = sorted({rank for rank in _layer_values(text_config, "kv_lora_rank") if rank is not None})
+    if latent_ranks:
         raise NotImplementedError(
-            f"{name} uses multi-head latent attention (kv_lora_rank={text_config.kv_lora_rank}): its cache holds "
+            f"{name} uses multi-head latent attention (kv_lora_rank={latent_ranks[0]}): its cache holds "
             "compressed latents expanded inside the attention, not per-head K/V; PagedCache does not serve it"
         )
     cross = [i for i in _global_value(text_config, "cross_attention_layers") or () if i < text_config.num_hidden_layers]
@@ -84,13 +89,14 @@ def check_supported(model: torch.nn.Module) -> None:
             f"{name} has cross-attention layers (layers {cross[:8]}) whose cache holds the K/V of the image "
             "features, not of the text positions; PagedCache stores self-attention K/V"
         )
-    sharing = getattr(text_config, "kv_sharing_modes", None)
+    sharing = _global_value(text_config, "kv_sharing_modes")
     if sharing is not None and any(mode == "reuse" for mode in sharing):
         raise NotImplementedError(
             f"{name} shares K/V between layers (kv_sharing_modes); PagedCache stores each layer's own K/V"
         )
-    head_dim, v_head_dim = _global_value(text_config, "head_dim"), _global_value(text_config, "v_head_dim")
-    if v_head_dim is not None and head_dim is not None and v_head_dim != head_dim:
+    widths = zip(_layer_values(text_config, "head_dim"), _layer_values(text_config, "v_head_dim"))
+    head_dim, v_head_dim = next(((k, v) for k, v in widths if None not in (k, v) and k != v), (None, None))
+    if v_head_dim is not None:
         raise NotImplementedError(
             f"{name} has values of v_head_dim={v_head_dim} dims and keys of head_dim={head_dim}; PagedCache stores "
             "the keys and values of a layer in blocks of one shape"
@@ -103,6 +109,14 @@ def check_supported(model: torch.nn.Module) -> None:
             f"{name} keeps a cache of its own (transformers builds no DynamicCache for it); PagedCache does not "
             "apply to it"
         )
+
+
+def _layer_values(config, name: str) -> list:
+    """`config.name` of every decoder layer (`None` where absent): a heterogeneous config (transformers'
+    `per_layer_config`) sets some attributes layer by layer, and reading those globally raises."""
+    if getattr(config, "is_heterogeneous", False):
+        return [getattr(layer_config, name, None) for layer_config in config.per_layer_config]
+    return [getattr(config, name, None)]
 
 
 def _global_value(config, name: str):

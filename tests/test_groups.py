@@ -8,9 +8,10 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from transformers import Step3p7TextConfig
 
 from hf_paged import PagedCache, get_pool
-from hf_paged.groups import KVLayout, LayerGroup, layer_kv_shapes
+from hf_paged.groups import KVLayout, LayerGroup, layer_kv_shapes, layer_windows
 from hf_paged.pool import KVShape
 from hf_paged.reference_models import tiny_model
 
@@ -117,3 +118,15 @@ def test_every_layout_places_each_layer_once_in_a_group_of_its_kind(windows):
         assert 1 <= len(group.layers) <= width
         assert [layout.lane_of[layer] for layer in group.layers] == list(range(len(group.layers)))
         assert all(layout.group_of[layer] == index for layer in group.layers)
+
+
+def test_windows_set_layer_by_layer_in_a_heterogeneous_config():
+    """transformers' `per_layer_config` may give a sliding layer a window of its own (reading it globally raises)."""
+    config = Step3p7TextConfig(
+        num_hidden_layers=4,
+        layer_types=["full_attention", "sliding_attention"] * 2,
+        sliding_window=4,
+        per_layer_config={1: {"sliding_window": 6}},
+    )
+    assert config.is_heterogeneous
+    assert layer_windows(torch.nn.Module(), config) == [None, 6, None, 4]

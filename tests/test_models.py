@@ -538,3 +538,64 @@ def test_engine_matches_generate_alone(models, case):
         assert stats.pad_positions > 0
     assert model.config._attn_implementation == ("eager" if case == "gemma2" else "sdpa")  # restored
     assert get_pool(model).stats().num_used == 0
+
+
+def tiny_step3p7(sliding_heads: int) -> torch.nn.Module:
+    """Step-3.7 (text and a 1-layer vision tower) whose sliding layers have `sliding_heads` query heads where its
+    full layers have 4: a heterogeneous config (transformers' `per_layer_config`) when they differ."""
+    text = {
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "share_expert_dim": 32,
+        "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+        "layer_types": ["full_attention", "sliding_attention"] * 2,
+        "sliding_window": 4,
+        "num_sliding_attention_heads": sliding_heads,
+    }
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    config = transformers.Step3p7Config(text_config=text, vision_config={**vision, "image_size": 28, "patch_size": 14})
+    torch.manual_seed(0)
+    return transformers.Step3p7ForConditionalGeneration(config).eval()
+
+
+@pytest.mark.parametrize("mode", ["greedy", "beams"])
+def test_layers_with_their_own_head_counts_heterogeneous_step3p7(mode):
+    """A config that sets attributes layer by layer (reading them globally raises in transformers) is read layer
+    by layer: Step-3.7 with 8 query heads in its sliding layers and 4 in its full layers is exact."""
+    model = tiny_step3p7(sliding_heads=8)
+    assert model.config.text_config.is_heterogeneous
+    with pytest.raises(Exception, match="per-layer attribute"):
+        model.config.text_config.num_attention_heads  # noqa: B018  (what a global read would do)
+    check_mode(model, CACHE, mode)
+
+
+def test_engine_on_layers_with_their_own_head_counts_heterogeneous_step3p7():
+    model = tiny_step3p7(sliding_heads=8)
+    prompts = [[3 + (5 * i + j) % 100 for j in range(length)] for i, length in enumerate((4, 9, 6))]
+    options = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False}
+    expected = [model.generate(input_ids=torch.tensor([p]), pad_token_id=0, **options)[0, len(p) :] for p in prompts]
+    with hf_paged.Engine(model, **CACHE) as engine:
+        outputs = engine.generate(prompts, **options)
+    assert [o.token_ids for o in outputs] == [e.tolist() for e in expected]
+    assert get_pool(model).stats().num_used == 0
+
+
+def test_heterogeneous_config_with_indexed_attention_layers_dots3_note_is_refused_by_its_layer_kinds():
+    """dots.3 note sets its head counts layer by layer and has DeepSeek-style indexed attention layers: refused for
+    those layers, by name, rather than failing on a global read of a per-layer attribute."""
+    from hf_paged.support import check_supported
+
+    config = transformers.AutoConfig.for_model("dots3_note")
+    assert config.get_text_config(decoder=True).is_heterogeneous
+    model = torch.nn.Module()  # check_supported reads the model's config and its class name only
+    model.config = config
+    with pytest.raises(NotImplementedError, match=r"\['indexed_attention'\] layers"):
+        check_supported(model)

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 import hf_paged
+from hf_paged.reference_models import tiny_model
 from hf_paged.serve.cli import main
 from tests.distributed_helpers import gloo_available
 from tests.serve_helpers import ServerProcess, metric, save_tiny_model, wait_for_idle
@@ -156,3 +157,13 @@ def test_a_zero_group_timeout_is_refused(folder, capsys):
     with pytest.raises(SystemExit):
         main(["serve", str(folder), "--tp", "2", "--tp-timeout", "0"])
     assert "argument --tp-timeout: the timeout must be > 0 seconds, got 0" in capsys.readouterr().err
+
+
+def test_degrees_are_checked_against_every_layers_kv_heads_in_a_heterogeneous_config(tmp_path, capsys):
+    """Gemma 4's full-attention layers have 1 KV head where its sliding layers have 2 (a heterogeneous config:
+    transformers' `per_layer_config`, whose head counts cannot be read globally): --tp 2 is refused for the 1."""
+    tiny_model("gemma4").config.save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", str(tmp_path), "--tp", "2"])
+    assert exit_info.value.code == 2
+    assert "--tp 2 is more than the model's 1 KV heads (num_key_value_heads)" in capsys.readouterr().err

@@ -48,9 +48,14 @@ def check_tp_degree(model_path: str, tp: int, *, gguf_file: str | None = None, d
         config = AutoConfig.from_pretrained(model_path, **extra).get_text_config(decoder=True)
     except (OSError, ValueError) as error:
         raise ValueError(f"cannot read the config of {model_path} to check --tp {tp}: {error}") from error
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    for count, name in ((kv_heads, "KV heads (num_key_value_heads)"), (heads, "attention heads")):
+    # a heterogeneous config (transformers' `per_layer_config`) sets head counts layer by layer
+    layer_configs = list(config.per_layer_config) if getattr(config, "is_heterogeneous", False) else [config]
+    kv_counts, head_counts = set(), set()
+    for layer_config in layer_configs:
+        head_counts.add(layer_config.num_attention_heads)
+        kv_counts.add(getattr(layer_config, "num_key_value_heads", None) or layer_config.num_attention_heads)
+    checks = [(count, "KV heads (num_key_value_heads)") for count in sorted(kv_counts)]
+    for count, name in checks + [(count, "attention heads") for count in sorted(head_counts)]:
         divisors = ", ".join(str(d) for d in range(1, count + 1) if count % d == 0)
         if tp > count:
             raise ValueError(
