@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 ATTENTION_LAYER_KINDS = ("full_attention", "sliding_attention")
@@ -179,3 +181,21 @@ def check_cache_kept(model: torch.nn.Module) -> None:
     dropped = cache_dropped_by_checkpointing(model)
     if dropped is not None:
         raise ValueError(dropped)
+
+
+def cache_not_taken(model: torch.nn.Module) -> str | None:
+    """Why `model`'s forward cannot read a KV cache handed to it, or `None`: a forward that takes no
+    `past_key_values` (GPT-1, XLNet, XLM, Reformer: no KV cache, or one of their own) recomputes every position from
+    the tokens it is given. `generate` runs such a model as stock does (the cache stays empty); the Engine, whose
+    steps feed only the tokens its cache does not hold, cannot serve it."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model: its base model
+    try:
+        parameters = inspect.signature(type(base).forward).parameters
+    except (TypeError, ValueError):  # no signature to read: let the forward decide
+        return None
+    if "past_key_values" in parameters:
+        return None
+    return (
+        f"{type(base).__name__}'s forward takes no past_key_values (it keeps no KV cache, or one of its own), so "
+        "it cannot read the K/V the Engine caches between steps; model.generate runs it as stock does"
+    )

@@ -599,3 +599,18 @@ def test_heterogeneous_config_with_indexed_attention_layers_dots3_note_is_refuse
     model.config = config
     with pytest.raises(NotImplementedError, match=r"\['indexed_attention'\] layers"):
         check_supported(model)
+
+
+def test_a_forward_that_takes_no_cache_runs_as_stock_in_generate_and_is_refused_by_the_engine():
+    """GPT-1 takes no `past_key_values`: generate recomputes every position, as stock does with any cache; the
+    Engine, whose steps feed only the tokens its cache does not hold, refuses it before making a pool (it failed
+    with a shape error in the model's attention at the first decode step)."""
+    model = tiny("OpenAIGPTConfig", "OpenAIGPTLMHeadModel", n_embd=64, n_layer=2, n_head=4, n_positions=64)
+    ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(0))
+    expected = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    paged = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation="paged")
+    assert torch.equal(paged, expected)
+    pools = len(hf_paged.live_pools())
+    with pytest.raises(NotImplementedError, match="OpenAIGPTLMHeadModel's forward takes no past_key_values"):
+        hf_paged.Engine(model, **CACHE)
+    assert len(hf_paged.live_pools()) == pools

@@ -20,7 +20,7 @@ from ..config import ATTENTION_NAME, PagedCacheConfig
 from ..cpu_linear import check_cpu_linear, onednn_available, pack_linears, packed_linears, unpack_linears
 from ..forward import EAGER, attention_implementation, own_attention, paged_attention_for
 from ..planner import ForwardPlanner
-from ..support import check_cache_kept, prompt_learning_method
+from ..support import cache_not_taken, check_cache_kept, prompt_learning_method
 from ..transfer import device_tensor
 from .params import SamplingParams
 from .request import Request, RequestOutput, RequestStatus
@@ -116,6 +116,9 @@ class Engine:
                 f"({max_batch_size}): a step holds one token of every running request"
             )
         _check_cpu_linear(cpu_linear, model)
+        reason = cache_not_taken(model)
+        if reason is not None:
+            raise NotImplementedError(f"the Engine cannot serve this model: {reason}")
         method = prompt_learning_method(model)
         if method is not None:
             raise NotImplementedError(
