@@ -199,6 +199,13 @@ class BatchCache(Cache, ForwardBoundCache):
         forward's write slots; returns the new K/V under `"hf_paged"` attention, else the layer's K/V read densely
         (the new positions' own K/V at the end, pads included)."""
         batch = self._batch_for(layer_idx, key_states)
+        if (key_states.shape[0], key_states.shape[2]) != batch.input_shape:
+            raise NotImplementedError(
+                f"{self._model_name}: layer {layer_idx} wrote K/V of {key_states.shape[0]} x {key_states.shape[2]} "
+                f"positions in a forward whose input was {batch.input_shape[0]} x {batch.input_shape[1]} (the model "
+                "adds positions of its own, as CPM-Ant's prompt tokens do), where the Engine plans every step's "
+                "slots from its input tokens; model.generate(..., cache_implementation='paged') serves it"
+            )
         unread = batch.unread_layer(layer_idx, len(self.layers))
         if unread is not None:
             raise self._unread_error(unread)

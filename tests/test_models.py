@@ -614,3 +614,19 @@ def test_a_forward_that_takes_no_cache_runs_as_stock_in_generate_and_is_refused_
     with pytest.raises(NotImplementedError, match="OpenAIGPTLMHeadModel's forward takes no past_key_values"):
         hf_paged.Engine(model, **CACHE)
     assert len(hf_paged.live_pools()) == pools
+
+
+def test_a_model_that_adds_positions_of_its_own_cpmant_is_refused_by_the_engine_at_its_first_step():
+    """CPM-Ant puts prompt positions of its own before the input, so its layers write more K/V than the step's
+    tokens: generate (which plans from what the layers write) is exact; the Engine, which plans each step's slots
+    from its input tokens, refuses at the first write (it failed with a shape error) and keeps its pool intact."""
+    model = tiny("CpmAntConfig", "CpmAntForCausalLM", hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(0))
+    expected = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    paged = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation="paged")
+    assert torch.equal(paged, expected)
+    with hf_paged.Engine(model, **CACHE) as engine:
+        with pytest.raises(NotImplementedError, match=r"CpmAntForCausalLM: layer 0 wrote K/V of 2 x 3\d positions"):
+            engine.generate([[3, 4, 5, 6], [7, 8, 9, 10, 11, 12]], max_new_tokens=4)
+        assert engine.pool.stats().num_used == 0
+        engine.pool.check_invariants()
