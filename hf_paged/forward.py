@@ -165,7 +165,7 @@ def attention_implementation(model: torch.nn.Module, implementation: str):
             if entry[0] == 0:
                 del _switched[key]
                 if _implementations(model.config) != entry[2]:
-                    model.set_attn_implementation(entry[2])
+                    _restore_implementations(model, entry[2])
 
 
 def _implementations(config) -> dict:
@@ -177,6 +177,33 @@ def _implementations(config) -> dict:
         if sub_config is not None:
             tree[name] = _implementations(sub_config)
     return tree
+
+
+def _restore_implementations(model: torch.nn.Module, saved: dict) -> None:
+    """Put back the implementations `_implementations` saved. A sub-config whose sub-model the model does not hold
+    (Moshi's audio encoder) may have had none (`None`), which `set_attn_implementation` refuses: it gets `None`
+    back directly."""
+    model.set_attn_implementation(_pruned(saved))
+    _reset_unset(model.config, saved)
+
+
+def _pruned(tree: dict) -> dict:
+    """`tree` without its `None` implementations."""
+    pruned = {}
+    for name, value in tree.items():
+        if isinstance(value, dict):
+            value = _pruned(value)
+        if value is not None and value != {}:
+            pruned[name] = value
+    return pruned
+
+
+def _reset_unset(config, tree: dict) -> None:
+    for name, value in tree.items():
+        if name == "" and value is None:
+            config._attn_implementation = None
+        elif isinstance(value, dict) and getattr(config, name, None) is not None:
+            _reset_unset(getattr(config, name), value)
 
 
 def own_attention(model: torch.nn.Module) -> str:

@@ -630,3 +630,18 @@ def test_a_model_that_adds_positions_of_its_own_cpmant_is_refused_by_the_engine_
             engine.generate([[3, 4, 5, 6], [7, 8, 9, 10, 11, 12]], max_new_tokens=4)
         assert engine.pool.stats().num_used == 0
         engine.pool.check_invariants()
+
+
+@pytest.mark.parametrize("mode", ["greedy", "beams"])
+def test_sub_configs_without_a_sub_model_moshi_keep_their_unset_attention(mode):
+    """MoshiForCausalLM's config has sub-configs (audio encoder, depth decoder) with no attention implementation set
+    (`None`), which `set_attn_implementation` refuses when putting them back: the paged call failed on the way out.
+    Now exact, and every implementation is back as it was."""
+    from hf_paged.forward import _implementations
+
+    options = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    model = tiny("MoshiConfig", "MoshiForCausalLM", head_dim=16, max_position_embeddings=256, **options)
+    before = _implementations(model.config)
+    assert before["audio_encoder_config"] == {"": None}
+    check_mode(model, CACHE, mode)
+    assert _implementations(model.config) == before
