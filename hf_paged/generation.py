@@ -37,7 +37,13 @@ from .forward import (
     inputs_beyond_token_ids,
     paged_attention_for,
 )
-from .support import cache_dropped_by_checkpointing, check_cache_kept, check_supported, prompt_learning_method
+from .support import (
+    cache_dropped_by_checkpointing,
+    check_cache_kept,
+    check_supported,
+    pads_read_by_stock,
+    prompt_learning_method,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -280,6 +286,8 @@ def _generate(model, inputs, generation_config, kwargs: dict):
             "alone to continue from it, or neither to build a fresh one."
         )
     check_supported(model)
+    if (reason := pads_read_by_stock(model, kwargs.get("attention_mask"), kwargs)) is not None:
+        raise NotImplementedError(reason)
     config = _cache_config_of(model, generation_config, kwargs)
     implementation = paged_attention_for(model, config, _asks_for_attentions(model, generation_config, kwargs))
     if not getattr(generation_config, "is_assistant", False):

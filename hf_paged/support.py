@@ -199,3 +199,21 @@ def cache_not_taken(model: torch.nn.Module) -> str | None:
         f"{type(base).__name__}'s forward takes no past_key_values (it keeps no KV cache, or one of its own), so "
         "it cannot read the K/V the Engine caches between steps; model.generate runs it as stock does"
     )
+
+
+def pads_read_by_stock(model: torch.nn.Module, attention_mask: torch.Tensor | None, kwargs: dict) -> str | None:
+    """Why stock `generate` on `model` would attend to left pads' K/V in this call, which a paged cache never
+    stores (so paged generation would differ), or `None`. GIT without an image: from the first decode step its
+    forward widens the padding mask by its image-patch count as if the cache held image positions, so the mask no
+    longer lines up with the cache and a left-padded row's pads become visible."""
+    text_config = model.config.get_text_config(decoder=True)
+    if getattr(text_config, "model_type", None) != "git" or kwargs.get("pixel_values") is not None:
+        return None
+    if attention_mask is None or bool(attention_mask.bool().all()):
+        return None
+    return (
+        f"{type(model).__name__} without an image widens the padding mask by its image patches at every decode step, "
+        "so stock generation attends to a left-padded row's pad positions, which a paged cache does not store: the "
+        "outputs would differ. Generate the rows one at a time (no padding), with their images, or without a paged "
+        "cache"
+    )

@@ -645,3 +645,23 @@ def test_sub_configs_without_a_sub_model_moshi_keep_their_unset_attention(mode):
     assert before["audio_encoder_config"] == {"": None}
     check_mode(model, CACHE, mode)
     assert _implementations(model.config) == before
+
+
+def test_git_without_an_image_is_refused_for_left_padded_rows_whose_pads_stock_attends():
+    """Stock GIT widens the padding mask by its image-patch count at every decode step even without an image, so a
+    left-padded row attends to its pads, which a paged cache never stores (the outputs differed, silently). Refused
+    then; unpadded rows are exact."""
+    options = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+    model = tiny("GitConfig", "GitForCausalLM", max_position_embeddings=256, **options)
+    ids = torch.randint(3, 100, (2, 10), generator=torch.Generator().manual_seed(22))
+    kwargs = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    mask = torch.ones_like(ids)
+    assert torch.equal(
+        model.generate(ids, attention_mask=mask, **kwargs, cache_implementation="paged"),
+        model.generate(ids, attention_mask=mask, **kwargs),
+    )
+    mask[0, :5] = 0
+    pools = len(hf_paged.live_pools())
+    with pytest.raises(NotImplementedError, match="GitForCausalLM without an image widens the padding mask"):
+        model.generate(ids, attention_mask=mask, **kwargs, cache_implementation="paged")
+    assert get_pool(model).stats().num_used == 0 and len(hf_paged.live_pools()) == pools
