@@ -6,14 +6,13 @@ still runs."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.benchmark_helpers import run_script
 
 SCRIPT = Path(__file__).parent.parent / "benchmarks" / "gpu_check.py"
 HEADER = "| part | case | result | verdict |"
@@ -34,8 +33,7 @@ def table(out: str) -> list[list[str]]:
 
 
 def test_without_a_cuda_device_it_says_so_and_exits_cleanly():
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, env=env, timeout=300)
+    result = run_script(SCRIPT, CUDA_VISIBLE_DEVICES="")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == (
         "no CUDA device: benchmarks/gpu_check.py measures the GPU backends and needs one (see docs/gpu.md)"
@@ -47,11 +45,8 @@ def test_every_part_runs_on_tiny_cpu_shapes_into_one_table():
         "--device", "cpu", "--contexts", "16", "--batches", "1", "2", "--decode-tokens", "3", "--layers", "1",
         "--hidden", "128", "--requests", "4", "--budget-tokens", "512", "--scale", "0.02", "--repeats", "2",
     ]  # fmt: skip
-    env = {**os.environ, "TRITON_INTERPRET": "1"}  # the Triton kernel on CPU tensors, as in tests/test_triton.py
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), *arguments], capture_output=True, text=True, timeout=600, cwd=SCRIPT.parent,
-        env=env,
-    )  # fmt: skip
+    # the Triton kernel on CPU tensors, as in tests/test_triton.py
+    result = run_script(SCRIPT, *arguments, timeout=600, TRITON_INTERPRET="1")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert out.startswith("# gpu_check\n\nCPU smoke run, torch ")

@@ -3,12 +3,11 @@ kernel under its interpreter) it prints one row per format and keys-a-step choic
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.benchmark_helpers import run_script
 
 SCRIPT = Path(__file__).parent.parent / "benchmarks" / "gpu_page_formats.py"
 
@@ -16,8 +15,7 @@ pytest.importorskip("triton")
 
 
 def test_without_a_cuda_device_it_says_so_and_exits_cleanly():
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, env=env, timeout=300)
+    result = run_script(SCRIPT, CUDA_VISIBLE_DEVICES="")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == (
         "no CUDA device: benchmarks/gpu_page_formats.py measures the Triton kernel on a GPU (see docs/gpu.md)"
@@ -29,10 +27,7 @@ def test_every_format_and_tile_gets_a_row_on_tiny_cpu_shapes():
         "--device", "cpu", "--batches", "2", "--contexts", "40", "--repeats", "1", "--warmup", "1", "--heads", "4",
         "--kv-heads", "2", "--head-dim", "64", "--dtype", "float32", "--tile-n", "16", "0",
     ]  # fmt: skip
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), *arguments], capture_output=True, text=True, env=env, timeout=600
-    )
+    result = run_script(SCRIPT, *arguments, timeout=600, TRITON_INTERPRET="1")
     assert result.returncode == 0, result.stderr
     rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| 2 ")]
     cells = [[cell.strip() for cell in row] for row in rows]
