@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .support import ATTENTION_LAYER_KINDS, layer_kinds
+from .support import ATTENTION_LAYER_KINDS, layer_configs, layer_kinds
 
 logger = logging.getLogger(__name__)
 
@@ -183,12 +183,8 @@ def layer_kv_shapes(text_config) -> list[tuple[int, int]]:
 
     ```
     """
-    if getattr(text_config, "is_heterogeneous", False):
-        configs = list(text_config.per_layer_config)
-    else:
-        configs = [text_config] * text_config.num_hidden_layers
     shapes = []
-    for config in configs:
+    for config in layer_configs(text_config, text_config.num_hidden_layers):
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
@@ -211,10 +207,7 @@ def layer_windows(model: torch.nn.Module, text_config) -> list[int | None]:
     """The sliding window of each decoder layer (`None` for full attention); other layer kinds are refused. A
     heterogeneous config (transformers' `per_layer_config`) may set the window layer by layer."""
     layer_types = layer_kinds(text_config)
-    if getattr(text_config, "is_heterogeneous", False):
-        windows = [getattr(layer_config, "sliding_window", None) for layer_config in text_config.per_layer_config]
-    else:
-        windows = [getattr(text_config, "sliding_window", None)] * len(layer_types)
+    windows = [getattr(config, "sliding_window", None) for config in layer_configs(text_config, len(layer_types))]
     unsupported = sorted({t for t in layer_types if t not in ATTENTION_LAYER_KINDS})
     if unsupported:
         raise NotImplementedError(

@@ -22,9 +22,15 @@ def layer_kinds(text_config) -> list[str]:
     layer_types = getattr(text_config, "layer_types", None)
     if layer_types is not None:
         return list(layer_types)
-    if getattr(text_config, "is_heterogeneous", False):  # transformers' `per_layer_config`
-        return [_layer_kind(layer_config) for layer_config in text_config.per_layer_config]
-    return [_layer_kind(text_config)] * text_config.num_hidden_layers
+    return [_layer_kind(config) for config in layer_configs(text_config, text_config.num_hidden_layers)]
+
+
+def layer_configs(config, count: int) -> list:
+    """The config of each decoder layer: a heterogeneous config's own (transformers' `per_layer_config`, whose
+    per-layer attributes raise when read globally), else `config` itself `count` times (its layers all alike)."""
+    if getattr(config, "is_heterogeneous", False):
+        return list(config.per_layer_config)
+    return [config] * count
 
 
 def _layer_kind(config) -> str:
@@ -114,11 +120,9 @@ def check_supported(model: torch.nn.Module) -> None:
 
 
 def _layer_values(config, name: str) -> list:
-    """`config.name` of every decoder layer (`None` where absent): a heterogeneous config (transformers'
-    `per_layer_config`) sets some attributes layer by layer, and reading those globally raises."""
-    if getattr(config, "is_heterogeneous", False):
-        return [getattr(layer_config, name, None) for layer_config in config.per_layer_config]
-    return [getattr(config, name, None)]
+    """The values of `config.name` over the decoder layers (`None` where absent): one per layer where a
+    heterogeneous config sets it layer by layer, else the one value."""
+    return [getattr(layer_config, name, None) for layer_config in layer_configs(config, 1)]
 
 
 def _global_value(config, name: str):

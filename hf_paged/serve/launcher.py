@@ -17,6 +17,8 @@ import subprocess
 import sys
 import time
 
+from ..support import layer_configs
+
 logger = logging.getLogger("hf_paged.serve")
 
 RANK_ENV = "HF_PAGED_TP_RANK"  # set in the ranks this module starts
@@ -48,10 +50,8 @@ def check_tp_degree(model_path: str, tp: int, *, gguf_file: str | None = None, d
         config = AutoConfig.from_pretrained(model_path, **extra).get_text_config(decoder=True)
     except (OSError, ValueError) as error:
         raise ValueError(f"cannot read the config of {model_path} to check --tp {tp}: {error}") from error
-    # a heterogeneous config (transformers' `per_layer_config`) sets head counts layer by layer
-    layer_configs = list(config.per_layer_config) if getattr(config, "is_heterogeneous", False) else [config]
     kv_counts, head_counts = set(), set()
-    for layer_config in layer_configs:
+    for layer_config in layer_configs(config, 1):  # a heterogeneous config sets head counts layer by layer
         head_counts.add(layer_config.num_attention_heads)
         kv_counts.add(getattr(layer_config, "num_key_value_heads", None) or layer_config.num_attention_heads)
     checks = [(count, "KV heads (num_key_value_heads)") for count in sorted(kv_counts)]
