@@ -286,7 +286,7 @@ def _generate(model, inputs, generation_config, kwargs: dict):
             "alone to continue from it, or neither to build a fresh one."
         )
     check_supported(model)
-    if (reason := pads_read_by_stock(model, kwargs.get("attention_mask"), kwargs)) is not None:
+    if (reason := pads_read_by_stock(model, kwargs)) is not None:
         raise NotImplementedError(reason)
     config = _cache_config_of(model, generation_config, kwargs)
     implementation = paged_attention_for(model, config, _asks_for_attentions(model, generation_config, kwargs))

@@ -205,14 +205,15 @@ def cache_not_taken(model: torch.nn.Module) -> str | None:
     )
 
 
-def pads_read_by_stock(model: torch.nn.Module, attention_mask: torch.Tensor | None, kwargs: dict) -> str | None:
-    """Why stock `generate` on `model` would attend to left pads' K/V in this call, which a paged cache never
-    stores (so paged generation would differ), or `None`. GIT without an image: from the first decode step its
-    forward widens the padding mask by its image-patch count as if the cache held image positions, so the mask no
-    longer lines up with the cache and a left-padded row's pads become visible."""
+def pads_read_by_stock(model: torch.nn.Module, kwargs: dict) -> str | None:
+    """Why stock `generate` on `model` would attend to left pads' K/V in the call of `kwargs`, which a paged cache
+    never stores (so paged generation would differ), or `None`. GIT without an image: from the first decode step
+    its forward widens the padding mask by its image-patch count as if the cache held image positions, so the mask
+    no longer lines up with the cache and a left-padded row's pads become visible."""
     text_config = model.config.get_text_config(decoder=True)
     if getattr(text_config, "model_type", None) != "git" or kwargs.get("pixel_values") is not None:
         return None
+    attention_mask = kwargs.get("attention_mask")
     if attention_mask is None or bool(attention_mask.bool().all()):
         return None
     return (
