@@ -9,10 +9,12 @@
 // Work is split into items (row, KV head, query tile, key split), run in parallel with OpenMP on at most one thread
 // per min_work_per_thread query-vector x key products; an item loads each K/V row of its range once, as fp32, for all
 // the query heads of its KV head: four keys' dot products with a query vector run side by side (independent sums;
-// with AVX-512, the four vectors of partial sums are added across their lanes together), and each query vector's
-// output accumulates a block's weighted values in registers (with AVX-512, four query vectors at a time, each value
-// row loaded once for them). Rows with few items (a small decode batch) split their keys; the splits are merged
-// with their log-sum-exp. Plain C ABI (called through ctypes): no torch headers, so it builds in about a second.
+// with AVX-512, the four vectors of partial sums are added across their lanes together; in a block that every query
+// vector sees whole, they are the logits as they stand), and each query vector's output accumulates a block's weighted
+// values in registers (with AVX-512, up to four query vectors at a time, each value row loaded once for them: a KV
+// head's three query vectors together, not one after another). Rows with few items (a small decode batch) split
+// their keys; the splits are merged with their log-sum-exp. Plain C ABI (called through ctypes): no torch headers,
+// so it builds in about a second.
 //
 // Quantized pages (hf_paged.kv_format): K/V held as int8 codes, or int4 codes two a byte (low nibble first, stored
 // as code + 8), with a bfloat16 scale per token and KV head; a row is dequantized as code * scale in fp32 as it is
@@ -351,10 +353,18 @@ inline void accumulate_all(float* acc, const float* weights, const float* const*
       accumulate_vectors<HD, kVectors>(acc + static_cast<size_t>(m) * D, D, weights + static_cast<size_t>(m) * bs, bs,
                                        v, n);
     }
-    for (; m < M; ++m) {
-      accumulate_vectors<HD, 1>(acc + static_cast<size_t>(m) * D, D, weights + static_cast<size_t>(m) * bs, bs, v, n);
+    float* a = acc + static_cast<size_t>(m) * D;
+    const float* w = weights + static_cast<size_t>(m) * bs;
+    switch (M - m) {  // the rest together too: e.g. the three query vectors of a KV head with three query heads
+      case 3:
+        return accumulate_vectors<HD, 3>(a, D, w, bs, v, n);
+      case 2:
+        return accumulate_vectors<HD, 2>(a, D, w, bs, v, n);
+      case 1:
+        return accumulate_vectors<HD, 1>(a, D, w, bs, v, n);
+      default:
+        return;
     }
-    return;
   }
 #endif
   for (; m < M; ++m) accumulate<HD>(acc + static_cast<size_t>(m) * D, weights + static_cast<size_t>(m) * bs, v, n, D);
@@ -404,12 +414,15 @@ void run_item(const Params& p, const Item& item, size_t slot_stride, float* part
   }
 
   const float softcap = p.softcap;
+  const int32_t lo_max = *std::max_element(lo.begin(), lo.end()), hi_min = *std::min_element(hi.begin(), hi.end());
   for (int32_t block = item.k_begin / bs; block * bs < item.k_end; ++block) {
     const int32_t first = std::max(item.k_begin, block * bs), stop = std::min(item.k_end, block * bs + bs);
     const int n = stop - first;
     const int64_t block_base = static_cast<int64_t>(table[block]) * p.kv_stride_block +
                                static_cast<int64_t>(item.kv_head) * p.kv_stride_head +
                                static_cast<int64_t>(first - block * bs) * p.kv_stride_token;
+    // every query vector sees every key of the block, and no soft cap changes a logit (most blocks of a decode step)
+    const bool all_visible = softcap == 0.0f && first >= lo_max && stop <= hi_min;
     const int64_t scale_base = static_cast<int64_t>(table[block]) * p.scale_stride_block +
                                static_cast<int64_t>(item.kv_head) * p.scale_stride_head +
                                static_cast<int64_t>(first - block * bs) * p.scale_stride_token;
@@ -441,6 +454,12 @@ void run_item(const Params& p, const Item& item, size_t slot_stride, float* part
         k[t] = t < g ? row_as_float(kc, block_base + j * p.kv_stride_token, p.key_scales,
                                     scale_base + j * p.scale_stride_token, D, &k_buffer[static_cast<size_t>(t) * D])
                      : k[g - 1];
+      }
+      if (all_visible && g == kKeyGroup) {  // the logits are the dot products: written in place
+        for (int m = 0; m < M; ++m) {
+          dot_group<HD>(&q[static_cast<size_t>(m) * D], k, D, &scores[static_cast<size_t>(m) * bs + j0]);
+        }
+        continue;
       }
       for (int m = 0; m < M; ++m) {
         float* sm = &scores[static_cast<size_t>(m) * bs];
