@@ -494,7 +494,8 @@ void run_item(const Params& p, const Item& item, size_t slot_stride, float* part
       any = true;
       State& st = state[m];
       const float new_max = std::max(st.max, block_max);
-      const float alpha = st.max == neg_inf ? 0.0f : exp_nonpositive(st.max - new_max);
+      // a block that raises no maximum rescales nothing (exp(0) is 1 exactly: the same bits, without the exp)
+      const float alpha = st.max == neg_inf ? 0.0f : block_max <= st.max ? 1.0f : exp_nonpositive(st.max - new_max);
 #if defined(__AVX512F__)
       const float block_sum = exp_block16(sm, n, new_max);
 #else
