@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import transformers
 
 from hf_paged.serve.cli import build_parser
 
@@ -162,6 +163,29 @@ def test_a_model_path_that_holds_no_model_is_a_usage_error(model_folder, tmp_pat
     assert "--gguf-file model.gguf" in refused(["serve", str(tmp_path)], monkeypatch, capsys)  # no config.json
     assert "is a file" in refused(["serve", str(tmp_path / "model.gguf")], monkeypatch, capsys)
     assert "no such file" in refused(["serve", str(tmp_path), "--gguf-file", "other.gguf"], monkeypatch, capsys)
+
+
+def test_max_memory_is_checked_layer_by_layer_as_the_pool_sizes_a_heterogeneous_config(tmp_path, monkeypatch, capsys):
+    """Gemma 4 with a full-attention layer of 1 KV head of 16 where its sliding layers have 2 (transformers'
+    `per_layer_config`): one block is what the pool says it is, not the global head counts times the layers (which
+    refused a --max-memory the pool holds)."""
+    from hf_paged.pool import KVShape
+    from hf_paged.reference_models import tiny_model
+    from hf_paged.serve import cli
+
+    config = tiny_model("gemma4").config.to_dict()
+    config["per_layer_config"] = {"2": {"head_dim": 16, "num_key_value_heads": 1}}
+    config = transformers.Gemma4TextConfig.from_dict(config)
+    config.save_pretrained(tmp_path)
+    block_bytes = KVShape.from_model(transformers.Gemma4ForCausalLM(config)).bytes_per_token * 16  # fp32, 16 tokens
+    assert block_bytes == 10240  # 16 tokens x K and V x (2 x 2 x 16 + 1 x 16) x 4 bytes; the globals say 12288
+    options = ["serve", str(tmp_path), "--dtype", "float32", "--block-size", "16"]
+    cli.check_serve_args(cli.build_parser().parse_args([*options, "--max-memory", str(block_bytes)]))
+    message = refused([*options, "--max-memory", str(block_bytes - 1)], monkeypatch, capsys)
+    assert message == (
+        "--max-memory 10239 (10239 bytes) is less than one KV block of this model: 16 tokens x K and V x (2 layers x "
+        "2 KV heads x 16 x 4 bytes + 1 layers x 1 KV heads x 16 x 4 bytes) = 10240 bytes"
+    )
 
 
 def test_int4_pages_of_an_odd_head_dim_are_a_usage_error(tmp_path, monkeypatch, capsys):

@@ -245,7 +245,7 @@ class UsageError(ValueError):
 def check_serve_args(args) -> None:
     """Refuse what `hf-paged serve` cannot run with, before anything loads: options that contradict each other,
     a `--device` this machine does not have, a model folder that does not exist (and is no Hub id) or holds no
-    model, a `--max-memory` below one KV block of the model (read from its config.json).
+    model, a `--max-memory` below one KV block of the model (read from its config.json, layer by layer).
 
     Raises:
         UsageError: naming the option, its value and the limit.
@@ -260,15 +260,16 @@ def check_serve_args(args) -> None:
     if args.cpu_linear == "onednn":
         _check_cpu_linear(args.device)
     config = _check_model_path(args.model_path, args.gguf_file)
-    dims = None if config is None else _kv_dims(config)
-    if args.kv_dtype is not None and dims is not None:
+    shapes = None if config is None else _kv_shapes(config)
+    if args.kv_dtype is not None and shapes is not None:
         try:
-            kv_format(args.kv_dtype).check_head_dim(dims[2], f"model {args.model_path!r}")
+            for head_dim in sorted({head_dim for _, head_dim in shapes}):
+                kv_format(args.kv_dtype).check_head_dim(head_dim, f"model {args.model_path!r}")
         except ValueError as error:
             raise UsageError(f"--kv-dtype {args.kv_dtype}: {error}") from None
-    if args.max_memory is not None and dims is not None:
+    if args.max_memory is not None and shapes is not None:
         block_size = 16 if args.block_size == "auto" else args.block_size  # "auto": at least 16 (a lower bound)
-        _check_memory(args.max_memory, block_size, args.dtype, dims, args.kv_dtype or "auto")
+        _check_memory(args.max_memory, block_size, args.dtype, shapes, args.kv_dtype or "auto")
 
 
 def _check_cpu_linear(device: str | None) -> None:
@@ -330,42 +331,54 @@ def _check_model_path(path: str, gguf_file: str | None) -> dict | None:
         raise UsageError(f"model folder {path!r}: its config.json cannot be read: {error}") from None
 
 
-def _kv_dims(config: dict) -> tuple[int, int, int] | None:
-    """`(layers, KV heads, head dim)` of a model's config.json (`None` for an unusual config: the pool says what it
-    needs when it is sized)."""
+def _kv_shapes(config: dict) -> list[tuple[int, int]] | None:
+    """`(KV heads, head dim)` of every layer of a model's config.json, as the pool reads them: a heterogeneous
+    config's layers with their own values (transformers' `per_layer_config`, e.g. Gemma 4's full-attention layers);
+    `None` for an unusual config (the pool says what it needs when it is sized)."""
     text = config.get("text_config") or config
+    overrides = text.get("per_layer_config") or {}
 
-    def read(*names):  # the usual name, then GPT-2's
-        return next(text[name] for name in names if name in text)
+    def read(values, *names):  # the usual name, then GPT-2's
+        return next(values[name] for name in names if name in values)
 
     try:
-        layers = int(read("num_hidden_layers", "n_layer"))
-        heads = int(read("num_attention_heads", "n_head"))
-        kv_heads = int(text.get("num_key_value_heads") or heads)
-        head_dim = int(text.get("head_dim") or int(read("hidden_size", "n_embd")) // heads)
-    except (StopIteration, TypeError, ValueError, ZeroDivisionError):
+        shapes = []
+        for layer in range(int(read(text, "num_hidden_layers", "n_layer"))):
+            values = {**text, **(overrides.get(str(layer)) or overrides.get(layer) or {})}
+            heads = int(read(values, "num_attention_heads", "n_head"))
+            kv_heads = int(values.get("num_key_value_heads") or heads)
+            head_dim = int(values.get("head_dim") or int(read(values, "hidden_size", "n_embd")) // heads)
+            shapes.append((kv_heads, head_dim))
+    except (StopIteration, TypeError, ValueError, ZeroDivisionError, AttributeError):
         return None
-    return layers, kv_heads, head_dim
+    return shapes or None
 
 
-def _check_memory(max_memory: str, block_size: int, dtype: str, dims: tuple[int, int, int], kv_dtype: str) -> None:
+def _check_memory(max_memory: str, block_size: int, dtype: str, shapes: list[tuple[int, int]], kv_dtype: str) -> None:
     """Refuse a `--max-memory` below one block of K and V in every layer (a lower bound of the pool's own
     figure: 2-byte values unless `--dtype float32`; quantized pages: their codes and scales)."""
-    layers, kv_heads, head_dim = dims
     fmt = kv_format(kv_dtype)
-    if fmt.quantized:
-        head_bytes = fmt.bytes_per_head(head_dim, None)
-        per_head = f"({head_dim} x {fmt.bits} bits + a 2-byte scale) bytes"
-    else:
-        head_bytes = head_dim * _DTYPE_BYTES.get(dtype, 2)
-        per_head = f"{head_dim} x {_DTYPE_BYTES.get(dtype, 2)} bytes"
-    block_bytes = 2 * layers * kv_heads * head_bytes * block_size
+
+    def head_bytes(head_dim: int) -> tuple[int, str]:
+        if fmt.quantized:
+            return fmt.bytes_per_head(head_dim, None), f"({head_dim} x {fmt.bits} bits + a 2-byte scale) bytes"
+        return head_dim * _DTYPE_BYTES.get(dtype, 2), f"{head_dim} x {_DTYPE_BYTES.get(dtype, 2)} bytes"
+
+    block_bytes = 2 * block_size * sum(kv_heads * head_bytes(head_dim)[0] for kv_heads, head_dim in shapes)
     budget = _size(max_memory)
-    if budget < block_bytes:
-        raise UsageError(
-            f"--max-memory {max_memory} ({budget} bytes) is less than one KV block of this model: {block_size} "
-            f"tokens x {layers} layers x K and V x {kv_heads} KV heads x {per_head} = {block_bytes} bytes"
-        )
+    if budget >= block_bytes:
+        return
+    kinds = list(dict.fromkeys(shapes))  # the layers' shapes, in order of first appearance
+    if len(kinds) == 1:
+        (kv_heads, head_dim), layers = kinds[0], f"{len(shapes)} layers"
+        terms = f"{layers} x K and V x {kv_heads} KV heads x {head_bytes(head_dim)[1]}"
+    else:
+        parts = [f"{shapes.count(k)} layers x {k[0]} KV heads x {head_bytes(k[1])[1]}" for k in kinds]
+        terms = f"K and V x ({' + '.join(parts)})"
+    raise UsageError(
+        f"--max-memory {max_memory} ({budget} bytes) is less than one KV block of this model: {block_size} "
+        f"tokens x {terms} = {block_bytes} bytes"
+    )
 
 
 def api_key(args) -> str | None:
