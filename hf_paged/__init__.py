@@ -12,7 +12,7 @@ from .allocator import AllocatorStats, BlockAllocator, BlockTable
 from .cache import CacheStats, PagedCache
 from .config import PagedCacheConfig
 from .engine import Engine, EngineStats, RequestOutput, SamplingParams
-from .errors import InvariantError, PoolExhaustedError
+from .errors import InvariantError, PoolExhaustedError, RequestTooLargeError
 from .generation import disable, enable, is_enabled
 from .pool import BlockPool, get_pool, live_pools, release_pool
 from .visual import plot_pool, render_pool_text
@@ -34,6 +34,7 @@ __all__ = [
     "PagedCacheConfig",
     "PoolExhaustedError",
     "RequestOutput",
+    "RequestTooLargeError",
     "SamplingParams",
     "disable",
     "enable",

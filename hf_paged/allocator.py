@@ -151,6 +151,7 @@ class BlockAllocator:
         self.num_blocks = _check_positive_int("num_blocks", num_blocks)
         self.block_size = _check_positive_int("block_size", block_size)
         self.lock = threading.RLock()
+        self.sized_by: str | None = None  # what set num_blocks, named in PoolExhaustedError (set by a BlockPool)
         self._free: deque[int] = deque(range(num_blocks))
         self._ref_counts: list[int] = [0] * num_blocks
         self._fill: list[int] = [0] * num_blocks  # slots written since the block was taken from the free queue
@@ -259,7 +260,9 @@ class BlockAllocator:
                 what = what or f"appending {sum(count for _, count in requests)} token(s)"
                 if keep_free:
                     what += f" while keeping {keep_free} block(s) free"
-                raise PoolExhaustedError(needed + keep_free, self.num_free, what=what, num_blocks=self.num_blocks)
+                raise PoolExhaustedError(
+                    needed + keep_free, self.num_free, what=what, num_blocks=self.num_blocks, sized_by=self.sized_by
+                )
             copies = []
             for table, num_new_tokens in requests:
                 if num_new_tokens:

@@ -12,6 +12,7 @@ from .allocator import tokens_per_block
 from .batch import ForwardBatch, ForwardInputs
 from .batch_cache import BatchCache
 from .config import PagedCacheConfig
+from .errors import RequestTooLargeError
 from .planner import ForwardPlanner, duplicate_row_leaders
 from .prompt_prefix import common_prompt_length, prompt_tokens
 from .rows import Row
@@ -287,6 +288,29 @@ class PagedCache(BatchCache):
         """Put the rows' full blocks into the prefix index (sharing blocks whose content is cached already)."""
         if self.prefix_caching and self.pool.index_full_blocks(self._rows, self.planner.roots):
             self.planner.forget_previous()
+
+    def refuse_if_too_large(self, prompts: list[tuple[int, int, int]], prefill_chunk: int | None = None) -> None:
+        """Raise `RequestTooLargeError`, before anything runs, when `generate`'s rows may need more blocks at once
+        than the whole pool has (`prompts`: see `ForwardPlanner.peak_blocks`), naming what set the pool's size."""
+        pool = self.pool
+        needed = self.planner.peak_blocks(prompts, prefill_chunk)
+        if needed <= pool.num_blocks:
+            return
+        rows = sum(count for _, _, count in prompts)
+        longest = max(total for _, total, _ in prompts)
+        sized_by = pool.sized_by or "an earlier call"
+        raise RequestTooLargeError(
+            f"this generate call may need {needed} KV blocks of {pool.block_size} tokens at once ({rows} row(s) of up "
+            f"to {longest} tokens, beams and returned sequences sharing their prompt's full blocks) but the model's "
+            f"whole pool has {pool.num_blocks} blocks, sized by {sized_by}. Give the call a pool that holds it "
+            f"(cache_config={{'num_blocks': {needed}}} or a larger 'max_memory': an idle pool is rebuilt), call "
+            "hf_paged.release_pool(model) so the next call builds a pool of the default size, or ask for fewer "
+            "tokens.",
+            needed,
+            pool.num_free,
+            pool.num_blocks,
+            pool.sized_by,
+        )
 
     # ------------------------------------------------------------------ prompts and prefixes
     def start_from_prompt(

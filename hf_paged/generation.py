@@ -37,6 +37,8 @@ from .forward import (
     inputs_beyond_token_ids,
     paged_attention_for,
 )
+from .planner import ForwardPlanner
+from .prompt_prefix import prompt_groups
 from .support import (
     cache_dropped_by_checkpointing,
     check_cache_kept,
@@ -331,7 +333,18 @@ def _prepare_paged_cache(self, generation_config, model_kwargs, generation_mode,
     if model_kwargs.get("past_key_values") is not None:
         raise ValueError("Passing both `cache_implementation='paged'` and `past_key_values` is unsupported.")
     _check_prefill_chunks(generation_config, model_kwargs.get("attention_mask"))
+    ForwardPlanner.pool_for(self, request.config, caller="generate")  # built (or found) for this call
     request.cache = PagedCache(self, **request.config.options())
+    if not generation_config.is_assistant:  # an assistant's cache grows over many short calls
+        width = request.input_ids.shape[-1] if request.input_ids is not None else None
+        if model_kwargs.get("inputs_embeds") is not None:
+            width = model_kwargs["inputs_embeds"].shape[1]
+        if width is not None:
+            expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+            prompts = prompt_groups(
+                request.input_ids, request.attention_mask, batch_size, width, max_cache_length, expand
+            )
+            request.cache.refuse_if_too_large(prompts, getattr(generation_config, "prefill_chunk_size", None))
     if model_kwargs.get("inputs_embeds") is None and generation_mode in _MODES_THAT_SLICE_A_STARTED_CACHE:
         lookup = not _outputs_every_position(self, generation_config, {})
         request.cache.start_from_prompt(request.input_ids, request.attention_mask, lookup)

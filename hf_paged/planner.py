@@ -59,17 +59,23 @@ class ForwardPlanner:
         self.key_group_cost = group_cost(shape and shape.bytes_per_token // shape.num_layers)
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, config: PagedCacheConfig) -> ForwardPlanner:
-        """The planner of `model`'s pool (created on first use, see `get_pool`) under `config`."""
+    def for_model(cls, model: torch.nn.Module, config: PagedCacheConfig, caller: str = "PagedCache") -> ForwardPlanner:
+        """The planner of `model`'s pool (created on first use, see `get_pool`) under `config`; `caller` names who
+        asks (`"Engine"`, `"generate"`), in what the pool says set its size."""
         check_supported(model)
-        # the K/V format is never inherited from an earlier call: a call that does not ask for quantized pages
-        # gets pages in the model's dtype (an idle pool of another format is rebuilt)
-        pool = get_pool(model, config=dataclasses.replace(config, kv_dtype=config.resolved_kv_dtype))
+        pool = cls.pool_for(model, config, caller)
         windows = layer_windows(model, model.config.get_text_config(decoder=True))
         layout = pool.layout
         if layout is None or len(layout.group_of) != len(windows):
             layout = KVLayout.for_windows(windows, split=False)
         return cls(pool, layout, pool_root(pool, model), config.resolved_prefix_caching)
+
+    @staticmethod
+    def pool_for(model: torch.nn.Module, config: PagedCacheConfig, caller: str = "PagedCache") -> BlockPool:
+        """`get_pool(model)` under `config`, asked for by `caller`."""
+        # the K/V format is never inherited from an earlier call: a call that does not ask for quantized pages
+        # gets pages in the model's dtype (an idle pool of another format is rebuilt)
+        return get_pool(model, config=dataclasses.replace(config, kv_dtype=config.resolved_kv_dtype), caller=caller)
 
     # ------------------------------------------------------------------ state
     @property
@@ -157,6 +163,38 @@ class ForwardPlanner:
                 blocks = min(blocks, -(-(window - 1 + chunk) // size) + 1)
             total += blocks
         return total
+
+    def peak_blocks(self, prompts: list[tuple[int, int, int]], prefill_chunk: int | None = None) -> int:
+        """The most blocks a `generate` call's rows can hold at once, in the worst case. `prompts` lists one
+        `(prompt tokens, tokens at the end, rows)` per distinct prompt (see `prompt_groups`); the prompt is
+        prefilled once for its rows (in chunks of `prefill_chunk` tokens, when given), its full blocks stay shared by
+        all of them, and every row holds blocks of its own past them (beams and sampled sequences may all differ). A
+        sliding group holds at most its window and one block more per row. Both counts only grow after the
+        prefill, so the peak is the prefill's or the last forward's.
+
+        Example:
+
+        ```python
+        >>> from hf_paged.groups import KVLayout
+        >>> from hf_paged.pool import BlockPool
+        >>> planner = ForwardPlanner(BlockPool(num_blocks=64, block_size=4), KVLayout.for_windows([None]))
+        >>> planner.peak_blocks([(6, 13, 2)])   # blocks [0] shared, blocks 1-3 of each of 2 rows
+        7
+
+        ```
+        """
+        size = self.pool.block_size
+        prefill = last = 0
+        for prompt, total, rows in prompts:
+            shared = prompt // size
+            for window in self.layout.windows:
+                first, held = -(-prompt // size), shared + rows * (-(-total // size) - shared)
+                if window is not None:
+                    chunk = prompt if prefill_chunk is None else min(prefill_chunk, prompt)
+                    first = min(first, -(-(window - 1 + chunk) // size) + 1)
+                    held = min(held, rows * (-(-window // size) + 1))
+                prefill, last = prefill + first, last + held
+        return max(prefill, last)
 
     def never_fits(self, num_tokens: int, chunk: int) -> str | None:
         """Why a request of `num_tokens` tokens can never run in this pool (`blocks_to_run` exceeds the whole

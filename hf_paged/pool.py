@@ -163,20 +163,42 @@ class BlockPool:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, kv_shape: KVShape | None = None, layout: KVLayout | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        kv_shape: KVShape | None = None,
+        layout: KVLayout | None = None,
+        sized_by: str | None = None,
+        explicitly_sized: bool = True,
     ):
         self.allocator = BlockAllocator(num_blocks, block_size)
+        self.allocator.sized_by = sized_by
         split = layout is not None and layout.num_groups > 1
         fmt = FORMATS[kv_shape.kv_dtype] if kv_shape is not None else None
         self.storage = KVStorage(num_blocks, block_size, layout.lane_of if split else None, fmt)
         self.kv_shape = kv_shape
         self.layout = layout
         self.last_cache_stats = None  # CacheStats of the most recently released PagedCache
+        self.explicitly_sized = explicitly_sized  # by num_blocks, max_memory or memory_fraction (not the default)
+        self._warned_smaller_than_default = False
         self._compute: tuple | None = None  # (weights' dtype, autocast dtype) the stored K/V were computed in
 
     @property
     def num_blocks(self) -> int:
         return self.allocator.num_blocks
+
+    @property
+    def sized_by(self) -> str | None:
+        """What set the pool's size: the call and option (`"Engine(num_blocks=8)"`,
+        `"generate(cache_config={'max_memory': 1048576})"`) or `"the default sizing (...)"`; `None` when unknown."""
+        return self.allocator.sized_by
+
+    @property
+    def kv_bytes(self) -> int | None:
+        """Memory of all of the pool's blocks (`None` for a pool built without a model)."""
+        return (
+            None if self.kv_shape is None else self.num_blocks * self.block_size * self.kv_shape.bytes_per_block_token
+        )
 
     @property
     def block_size(self) -> int:
@@ -348,7 +370,7 @@ def _default_budget(device: torch.device, config: PagedCacheConfig) -> tuple[int
         free, _ = torch.cuda.mem_get_info(device)
         fraction = config.memory_fraction or DEFAULT_GPU_MEMORY_FRACTION
         return int(free * fraction), f"{fraction:.0%} of free CUDA memory"
-    return DEFAULT_CPU_KV_BYTES, "the default CPU KV budget"
+    return DEFAULT_CPU_KV_BYTES, f"{DEFAULT_CPU_KV_BYTES / 2**30:g} GiB of KV on a CPU"
 
 
 def _device_memory(device: torch.device) -> int | None:
@@ -375,21 +397,52 @@ def _check_fits(model: torch.nn.Module, num_blocks: int, block_size: int, kv_sha
         )
 
 
-def _size_pool(model: torch.nn.Module, config: PagedCacheConfig, layout: KVLayout) -> tuple[int, int, KVShape]:
+@dataclass(frozen=True)
+class _Sizing:
+    num_blocks: int
+    block_size: int
+    kv_shape: KVShape
+    sized_by: str  # what set the size, for messages
+    explicit: bool  # num_blocks, max_memory or memory_fraction was given
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_blocks * self.block_size * self.kv_shape.bytes_per_block_token
+
+
+def gives_size(config: PagedCacheConfig) -> bool:
+    """Whether `config` names the pool's size (`num_blocks`, `max_memory` or `memory_fraction`)."""
+    return any(value is not None for value in (config.num_blocks, config.max_memory, config.memory_fraction))
+
+
+def _sized_by(config: PagedCacheConfig, caller: str) -> str:
+    """How a size given in `config` reads in messages, as the `caller` was called (`"Engine(num_blocks=8)"`)."""
+    name = next(n for n in ("num_blocks", "max_memory", "memory_fraction") if getattr(config, n) is not None)
+    value = getattr(config, name)
+    if caller == "generate":
+        return f"generate(cache_config={{{name!r}: {value!r}}})"
+    return f"{caller}({'model, ' if caller == 'get_pool' else ''}{name}={value!r})"
+
+
+def _size_pool(model: torch.nn.Module, config: PagedCacheConfig, layout: KVLayout, caller: str = "get_pool") -> _Sizing:
     kv_shape = KVShape.from_model(model, layout.lanes_per_block, config.resolved_kv_dtype)
-    block_size = config.block_size_on(next(model.parameters()).device)
+    device = next(model.parameters()).device
+    block_size = config.block_size_on(device)
     if config.num_blocks is not None:
         _check_fits(model, config.num_blocks, block_size, kv_shape, f"num_blocks={config.num_blocks}")
-        return config.num_blocks, block_size, kv_shape
+        return _Sizing(config.num_blocks, block_size, kv_shape, _sized_by(config, caller), True)
     if config.max_memory is not None:
         budget, source = config.max_memory, f"max_memory={config.max_memory}"
     else:
-        budget, source = _default_budget(next(model.parameters()).device, config)
-        num_blocks = _num_blocks_for_budget(kv_shape, block_size, budget, source)
-        return min(num_blocks, DEFAULT_MAX_BLOCKS), block_size, kv_shape
+        budget, source = _default_budget(device, config)
+        num_blocks = min(_num_blocks_for_budget(kv_shape, block_size, budget, source), DEFAULT_MAX_BLOCKS)
+        if config.memory_fraction is not None and device.type == "cuda":
+            return _Sizing(num_blocks, block_size, kv_shape, _sized_by(config, caller), True)
+        sized_by = f"the default sizing ({source}, at most {DEFAULT_MAX_BLOCKS:,} blocks)"
+        return _Sizing(num_blocks, block_size, kv_shape, sized_by, False)
     num_blocks = _num_blocks_for_budget(kv_shape, block_size, budget, source)
     _check_fits(model, num_blocks, block_size, kv_shape, source)
-    return num_blocks, block_size, kv_shape
+    return _Sizing(num_blocks, block_size, kv_shape, _sized_by(config, caller), True)
 
 
 def _pool_matches(pool: BlockPool, config: PagedCacheConfig, num_blocks: int, block_size: int) -> bool:
@@ -401,14 +454,17 @@ def _pool_matches(pool: BlockPool, config: PagedCacheConfig, num_blocks: int, bl
     return not explicit_size or pool.num_blocks == num_blocks
 
 
-def get_pool(model: torch.nn.Module, **cache_config) -> BlockPool:
+def get_pool(model: torch.nn.Module, *, caller: str = "get_pool", **cache_config) -> BlockPool:
     """The model's global `BlockPool`, created on first use.
 
     Sizing, in order: `num_blocks`; `max_memory` (bytes or `"512MiB"`); else, on CUDA, `memory_fraction` (0.9) of
     the device's free memory after the weights, and on CPU a fixed budget of 1 GiB (the default sizing takes at
     most 65,536 blocks; memory pages are touched only as blocks are first used). Asking again with a different
     `block_size`, `num_blocks` or `max_memory` rebuilds the pool when none of its blocks is in use and raises
-    `ValueError` otherwise.
+    `ValueError` otherwise. A call that names no size keeps the pool as it is; when `caller` (who asks: `"generate"`,
+    `"Engine"`, `"PagedCache"`) names no size and finds an idle pool sized explicitly below the default, a warning
+    says so once (what set the size, and how to get the default back: `release_pool(model)`). `pool.sized_by`
+    says what set the size.
 
     Example:
 
@@ -431,8 +487,11 @@ def get_pool(model: torch.nn.Module, **cache_config) -> BlockPool:
         if pool is not None and config == PagedCacheConfig():
             return pool
         layout = KVLayout.for_model(model)
-        num_blocks, block_size, kv_shape = _size_pool(model, config, layout)
+        sizing = _size_pool(model, config, layout, caller)
+        num_blocks, block_size, kv_shape = sizing.num_blocks, sizing.block_size, sizing.kv_shape
         if pool is not None and _pool_matches(pool, config, num_blocks, block_size):
+            if caller != "get_pool" and not gives_size(config):
+                _warn_if_smaller_than_default(pool, sizing, caller)
             return pool
         if pool is not None and pool.allocator.num_used:
             raise ValueError(
@@ -441,7 +500,7 @@ def get_pool(model: torch.nn.Module, **cache_config) -> BlockPool:
                 f"block_size={block_size}, num_blocks={num_blocks}, kv_dtype={kv_shape.kv_dtype!r} until every "
                 "PagedCache using it is released"
             )
-        pool = BlockPool(num_blocks, block_size, kv_shape, layout)
+        pool = BlockPool(num_blocks, block_size, kv_shape, layout, sizing.sized_by, sizing.explicit)
         pool.follow_model_dtype(model)  # records what its K/V will be computed in
         logger.info(
             "hf_paged: pool of %d blocks x %d tokens (%.1f MiB of %s KV, %d layer group(s), %d KV heads) for %s%s",
@@ -458,6 +517,26 @@ def get_pool(model: torch.nn.Module, **cache_config) -> BlockPool:
         )
         _pools[model] = pool
         return pool
+
+
+def _warn_if_smaller_than_default(pool: BlockPool, default: _Sizing, caller: str) -> None:
+    """Once per pool: a call naming no size runs on an idle pool that an earlier call sized below the default."""
+    if pool._warned_smaller_than_default or not pool.explicitly_sized or pool.allocator.num_used:
+        return
+    if pool.kv_bytes is None or pool.kv_bytes >= default.kv_bytes:
+        return
+    pool._warned_smaller_than_default = True
+    logger.warning(
+        "hf_paged: %s names no pool size and runs on the model's idle KV pool of %d blocks (%.1f MiB), sized by %s; "
+        "the default sizing would give %.1f MiB. Requests that cannot fit it are refused before they run. For the "
+        "default size call hf_paged.release_pool(model) (the next call builds a pool of the default size), or give "
+        "a size: cache_config={'num_blocks': ...} or {'max_memory': ...}",
+        caller,
+        pool.num_blocks,
+        pool.kv_bytes / 2**20,
+        pool.sized_by,
+        default.kv_bytes / 2**20,
+    )
 
 
 def release_pool(model: torch.nn.Module) -> None:

@@ -189,7 +189,7 @@ def test_pool_exhausted_names_needed_and_free_and_changes_nothing():
     table = allocator.new_table()
     allocator.append(table, 3)
     before = snapshot(allocator), list(table.block_ids), table.num_tokens
-    with pytest.raises(PoolExhaustedError, match="needs 2 more block\\(s\\) but only 1 are free") as info:
+    with pytest.raises(PoolExhaustedError, match="needs 2 more block\\(s\\) but only 1 is free") as info:
         allocator.append(table, 4)
     assert isinstance(info.value, RuntimeError)
     assert (info.value.num_needed, info.value.num_free) == (2, 1)

@@ -258,12 +258,12 @@ def test_fork_with_a_bad_count(model):
 # ---------------------------------------------------------------------- requests the pool cannot hold
 def test_prompt_longer_than_the_whole_pool(model):
     message = (
-        "a forward of 1 row\\(s\\) x 300 token\\(s\\) needs 75 more block\\(s\\) but only 64 are free. "
-        "The whole pool has only 64 blocks"
+        "this generate call may need 76 KV blocks of 4 tokens at once \\(1 row\\(s\\) of up to 301 tokens.*\\) but "
+        "the model's whole pool has 64 blocks, sized by get_pool\\(model, num_blocks=64\\)"
     )
     with refused(model, PoolExhaustedError, message) as info:
         model.generate(input_ids=torch.randint(3, 128, (1, 300)), max_new_tokens=2, cache_implementation="paged")
-    assert (info.value.num_needed, info.value.num_free, info.value.num_blocks) == (75, 64, 64)
+    assert (info.value.num_needed, info.value.num_free, info.value.num_blocks) == (76, 64, 64)
 
 
 def test_batch_larger_than_the_free_blocks(model):

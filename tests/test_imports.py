@@ -125,7 +125,7 @@ def test_the_public_surface_is_what_users_call():
             *("PagedCache", "CacheStats", "PagedCacheConfig"),
             *("BlockPool", "get_pool", "release_pool", "live_pools", "BlockAllocator", "BlockTable", "AllocatorStats"),
             *("Engine", "EngineStats", "RequestOutput", "SamplingParams"),
-            *("PoolExhaustedError", "InvariantError"),
+            *("PoolExhaustedError", "RequestTooLargeError", "InvariantError"),
             *("render_pool_text", "plot_pool"),
             *("enable", "disable", "is_enabled"),
         ]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import hf_paged
 from hf_paged import PagedCache, PagedCacheConfig, get_pool, release_pool
@@ -60,7 +62,7 @@ def test_default_cuda_budget_is_a_fraction_of_free_device_memory(monkeypatch):
     assert _default_budget(cuda, PagedCacheConfig(memory_fraction=0.5)) == (3 * 2**30, "50% of free CUDA memory")
     assert asked == [cuda, cuda]
     cpu_budget = _default_budget(torch.device("cpu"), PagedCacheConfig())
-    assert cpu_budget == (DEFAULT_CPU_KV_BYTES, "the default CPU KV budget")
+    assert cpu_budget == (DEFAULT_CPU_KV_BYTES, "1 GiB of KV on a CPU")
 
 
 def test_idle_pool_is_rebuilt_for_new_options_but_busy_pool_is_not(model):
@@ -137,3 +139,189 @@ def test_an_idle_pool_follows_the_models_dtype_and_a_busy_one_refuses_clearly():
         model.generate(prompt, **options, cache_implementation="paged")
     held.release()
     engine.close()
+
+
+# ---------------------------------------------------------------------- a request the whole pool cannot hold
+def count_forwards(model) -> list:
+    calls: list = []
+    model.register_forward_pre_hook(lambda *args: calls.append(1))
+    return calls
+
+
+def test_a_request_the_engines_small_pool_cannot_hold_is_refused_before_any_forward(model):
+    """`Engine(model, num_blocks=8)` sized the model's pool; a later plain paged `generate` of 1 x 8 + 200 tokens
+    needs 13 blocks of 16: refused before the first forward (it used to fail after 128 decoded tokens), naming the
+    size's origin and the way back to the default; after `release_pool` the same call runs and equals stock."""
+    hf_paged.Engine(model, num_blocks=8)
+    forwards = count_forwards(model)
+    prompt = torch.randint(3, 128, (1, 8), generator=torch.Generator().manual_seed(0))
+    options = {"max_new_tokens": 200, "min_new_tokens": 200, "do_sample": False, "pad_token_id": 0}
+    with pytest.raises(hf_paged.PoolExhaustedError) as refused:
+        model.generate(prompt, **options, cache_implementation="paged")
+    assert isinstance(refused.value, hf_paged.RequestTooLargeError)
+    message = str(refused.value)
+    assert "may need 13 KV blocks of 16 tokens" in message and "whole pool has 8 blocks" in message
+    assert "sized by Engine(num_blocks=8)" in message and "hf_paged.release_pool(model)" in message
+    assert (refused.value.num_needed, refused.value.num_blocks) == (13, 8)
+    assert forwards == []
+    pool = get_pool(model)
+    pool.check_invariants()
+    assert pool.stats().num_used == 0
+    release_pool(model)
+    expected = model.generate(prompt, **options)
+    forwards.clear()
+    assert torch.equal(model.generate(prompt, **options, cache_implementation="paged"), expected)
+    assert len(forwards) == 200
+
+
+def test_a_batch_an_earlier_calls_max_memory_cannot_hold_is_refused_at_once(model):
+    """An earlier call's `max_memory` (4 blocks of 8 KiB here) sized the pool; 4 rows x 40 tokens need 12 blocks:
+    refused before the prefill, naming that call; the exact size the message asks for runs."""
+    small = {"max_new_tokens": 2, "do_sample": False, "pad_token_id": 0}
+    model.generate(
+        torch.tensor([[5, 6, 7]]), **small, cache_implementation="paged", cache_config={"max_memory": "32KiB"}
+    )
+    assert get_pool(model).num_blocks == 4
+    forwards = count_forwards(model)
+    prompts = torch.randint(3, 128, (4, 40), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(
+        hf_paged.RequestTooLargeError, match=r"sized by generate\(cache_config=\{'max_memory': 32768\}\)"
+    ):
+        model.generate(prompts, **small, cache_implementation="paged")
+    assert forwards == []
+    out = model.generate(prompts, **small, cache_implementation="paged", cache_config={"num_blocks": 12})
+    assert torch.equal(out, model.generate(prompts, **small))
+
+
+def test_a_sizeless_call_on_an_idle_pool_sized_below_the_default_is_told_once(model, caplog):
+    get_pool(model, num_blocks=64)  # get_pool itself sizes the pool on purpose: no word from it
+    with caplog.at_level("WARNING", logger="hf_paged.pool"):
+        get_pool(model)
+        assert caplog.records == []
+        model.generate(
+            torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False, pad_token_id=0, cache_implementation="paged"
+        )
+        model.generate(
+            torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False, pad_token_id=0, cache_implementation="paged"
+        )
+    (record,) = caplog.records
+    text = record.getMessage()
+    assert "generate names no pool size and runs on the model's idle KV pool of 64 blocks" in text
+    assert "sized by get_pool(model, num_blocks=64)" in text and "hf_paged.release_pool(model)" in text
+    assert get_pool(model).num_blocks == 64  # the size is kept: the call is told, not changed
+
+
+def test_no_word_for_a_busy_pool_or_a_default_one(model, caplog):
+    held = PagedCache(model, num_blocks=64)
+    model.generate(torch.tensor([[5, 6, 7]]), past_key_values=held, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    with caplog.at_level("WARNING", logger="hf_paged.pool"):
+        model.generate(
+            torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False, pad_token_id=0, cache_implementation="paged"
+        )  # busy: other caches hold blocks
+        held.release()
+        release_pool(model)
+        for _ in range(2):  # a pool of the default size
+            model.generate(
+                torch.tensor([[5, 6, 7]]),
+                max_new_tokens=2,
+                do_sample=False,
+                pad_token_id=0,
+                cache_implementation="paged",
+            )
+    assert caplog.records == []
+    assert get_pool(model).sized_by.startswith("the default sizing (1 GiB of KV on a CPU")
+
+
+def test_exhaustion_messages_name_the_size_origin_and_count_in_good_grammar(model):
+    pool = get_pool(model, block_size=4, num_blocks=3)
+    table = pool.allocator.new_table()
+    pool.allocator.append(table, 8)
+    with pytest.raises(hf_paged.PoolExhaustedError) as exhausted:
+        pool.allocator.append(pool.allocator.new_table(), 8)
+    assert "needs 2 more block(s) but only 1 is free" in str(exhausted.value)
+    assert "The pool's size was set by get_pool(model, num_blocks=3)" in str(exhausted.value)
+    pool.allocator.free(table)
+
+
+CASES = st.fixed_dictionaries(
+    {
+        "family": st.sampled_from(["llama", "mistral", "gemma2"]),
+        "lengths": st.lists(st.integers(1, 20), min_size=1, max_size=3),
+        "mode": st.sampled_from(["greedy", "beams", "sample"]),
+        "expand": st.integers(2, 3),
+        "block_size": st.sampled_from([2, 4, 8]),
+        "max_new_tokens": st.integers(1, 12),
+        "seed": st.integers(0, 3),
+    }
+)
+MODELS = {
+    "llama": tiny_model("llama"),
+    "mistral": tiny_model("mistral", sliding_window=6),
+    "gemma2": tiny_model("gemma2"),
+}
+
+
+def run_in_pool(case: dict, num_blocks: int):
+    """`generate` of `case` on a fresh pool of `num_blocks` blocks; returns the pool."""
+    from tests.conftest import left_padded_batch
+
+    model = MODELS[case["family"]]
+    release_pool(model)
+    input_ids, attention_mask = left_padded_batch(case["lengths"], seed=case["seed"])
+    options = {"max_new_tokens": case["max_new_tokens"], "min_new_tokens": case["max_new_tokens"], "pad_token_id": 0}
+    if case["mode"] == "beams":
+        options |= {"num_beams": case["expand"], "num_return_sequences": case["expand"] - 1, "do_sample": False}
+    elif case["mode"] == "sample":
+        options |= {"num_return_sequences": case["expand"], "do_sample": True}
+        torch.manual_seed(case["seed"])
+    else:
+        options |= {"do_sample": False}
+    config = {"num_blocks": num_blocks, "block_size": case["block_size"]}
+    model.generate(
+        input_ids, attention_mask=attention_mask, **options, cache_implementation="paged", cache_config=config
+    )
+    return get_pool(model)
+
+
+def blocks_needed(case: dict) -> int:
+    try:
+        run_in_pool(case, num_blocks=1)
+    except hf_paged.RequestTooLargeError as refused:
+        return refused.num_needed
+    return 1
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=CASES)
+def test_a_request_refused_up_front_would_not_fit_and_one_accepted_never_runs_out(case):
+    """The refusal's count is the request's worst case: in a pool of exactly that many blocks the call runs to its
+    end (beams, sampled sequences, padding, sliding groups, prefix caching on) and its peak stays within it."""
+    needed = blocks_needed(case)
+    pool = run_in_pool(case, num_blocks=needed)
+    assert pool.stats().peak_used <= needed
+    if needed > 1:
+        with pytest.raises(hf_paged.RequestTooLargeError):
+            run_in_pool(case, num_blocks=needed - 1)
+
+
+def test_the_worst_case_check_fails_when_the_count_ignores_what_beams_write_negative_control(monkeypatch):
+    """Counting only the prompt's blocks accepts a beam search the pool cannot hold: it runs out mid-decode."""
+    from hf_paged.planner import ForwardPlanner
+
+    def prompt_only(self, prompts, prefill_chunk=None):
+        return sum(-(-prompt // self.pool.block_size) for prompt, _, _ in prompts)
+
+    case = {
+        "family": "llama",
+        "lengths": [6],
+        "mode": "beams",
+        "expand": 3,
+        "block_size": 4,
+        "max_new_tokens": 12,
+        "seed": 0,
+    }
+    monkeypatch.setattr(ForwardPlanner, "peak_blocks", prompt_only)
+    needed = blocks_needed(case)
+    with pytest.raises(hf_paged.PoolExhaustedError) as exhausted:
+        run_in_pool(case, num_blocks=needed)
+    assert not isinstance(exhausted.value, hf_paged.RequestTooLargeError)  # mid-decode, not up front

@@ -133,7 +133,7 @@ class Engine:
         if nested is not None:
             cache_config = {**PagedCacheConfig.from_dict(nested).options(), **cache_config}
         self.cache_config = PagedCacheConfig.from_dict(cache_config)
-        self.planner = ForwardPlanner.for_model(model, self.cache_config)
+        self.planner = ForwardPlanner.for_model(model, self.cache_config, caller="Engine")
         self.pool = self.planner.pool
         self.cache = BatchCache(model, self.planner, self.cache_config.kernel)
         text_config = model.config.get_text_config(decoder=True)
