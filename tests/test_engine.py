@@ -826,3 +826,37 @@ def test_an_engine_takes_cache_config_as_generate_does(model):
     assert (engine.pool.block_size, engine.pool.num_blocks) == (8, 40)
     engine = Engine(model, cache_config={"block_size": 4}, num_blocks=32)
     assert (engine.pool.block_size, engine.pool.num_blocks) == (4, 32)
+
+
+def test_abort_of_an_id_the_engine_does_not_know_raises_key_error(model):
+    engine = Engine(model, block_size=4, num_blocks=64)
+    with pytest.raises(KeyError, match="no request 'never-added' in this engine"):
+        engine.abort("never-added")
+    request_id = engine.add_request([5, 6, 7], max_new_tokens=2, do_sample=False)
+    finals = drive(engine)  # finished and reported: forgotten
+    assert finals[request_id].finish_reason == "length"
+    with pytest.raises(KeyError, match=repr(request_id)):
+        engine.abort(request_id)
+    assert engine.pool.stats().num_used == 0
+
+
+def test_last_stats_follow_steps_the_caller_drives(model):
+    engine = Engine(model, block_size=4, num_blocks=64)
+    assert engine.last_stats is None
+    for prompt in ([5, 6, 7], [8, 9]):
+        engine.add_request(prompt, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    drive(engine)
+    stats = engine.last_stats
+    assert stats is not None and stats.num_requests == 2 and stats.generated_tokens == 6
+    assert stats.num_steps == engine.num_steps > 0
+    engine.generate([[5, 6, 7]], max_new_tokens=2, min_new_tokens=2, do_sample=False)  # generate resets
+    assert (engine.last_stats.num_requests, engine.last_stats.generated_tokens) == (1, 2)
+
+
+def test_openai_option_names_are_refused_naming_the_engines_own(model):
+    engine = Engine(model, block_size=4, num_blocks=64)
+    with pytest.raises(TypeError, match="max_tokens: the OpenAI API's name; use max_new_tokens"):
+        engine.generate([[5, 6, 7]], max_tokens=3)
+    with pytest.raises(TypeError, match="max_new_tokenz: did you mean max_new_tokens\\?"):
+        engine.add_request([5, 6, 7], max_new_tokenz=3)
+    assert not engine.has_unfinished_requests() and engine.pool.stats().num_used == 0

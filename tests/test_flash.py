@@ -232,11 +232,15 @@ def test_cuda_choice_by_block_size(monkeypatch, caplog):
     kernels._warned.clear()
     assert kernels.resolve_kernel("auto", "cuda", 256) == kernels.KernelChoice("auto", "flash", fallback="triton")
     assert kernels.resolve_kernel("flash", "cuda", 512).backend == "flash"
-    with caplog.at_level(logging.WARNING, logger="hf_paged.kernels"):
+    with caplog.at_level(logging.INFO, logger="hf_paged.kernels"):
         assert kernels.resolve_kernel("auto", "cuda", 16) == kernels.KernelChoice("auto", "triton")
-        assert kernels.resolve_kernel("flash", "cuda", 16).backend == "triton"
-    lines = [record.getMessage() for record in caplog.records]
-    assert len(lines) == 1 and "multiple of 256 tokens, not 16; attention uses kernel='triton'" in lines[0]
+        assert kernels.resolve_kernel("auto", "cuda", 16) == kernels.KernelChoice("auto", "triton")
+    lines = [(record.levelname, record.getMessage()) for record in caplog.records]
+    assert len(lines) == 1 and lines[0][0] == "INFO"  # auto chooses without a warning
+    assert "multiple of 256 tokens, not 16; kernel='auto' uses kernel='triton'" in lines[0][1]
+    with pytest.raises(kernels.KernelUnavailableError, match="not 16") as refused:  # asked for by name: refused
+        kernels.resolve_kernel("flash", "cuda", 16)
+    assert "Kernels available on cuda with blocks of 16 tokens: ['auto', 'gather', 'triton']" in str(refused.value)
     assert kernels.resolve_kernel("triton", "cuda", 16) == kernels.KernelChoice("triton", "triton")
     monkeypatch.setattr(triton_backend, "available", lambda: False)
     assert kernels.resolve_kernel("auto", "cuda", 16).backend == "gather"

@@ -9,15 +9,18 @@ import platform
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import hf_paged
 from hf_paged import kernels
 from hf_paged.kernels import build, cpu
 from hf_paged.kernels.reference import eager_paged_attention, gather_paged_attention
+from hf_paged.reference_models import tiny_model
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
@@ -254,14 +257,21 @@ def test_no_compiler_falls_back_to_gather_with_one_warning(tmp_path):
         messages = [str(w.message) for w in caught if "kernel" in str(w.message)]
         print(len(messages), calls, torch.equal(out.sequences, stock))
         print(messages[0])
+        try:  # asked for by name, it is refused rather than replaced
+            model.generate(ids, max_new_tokens=2, cache_implementation="paged", cache_config={"kernel": "cpu"})
+        except hf_paged.kernels.KernelUnavailableError as error:
+            print(error)
+        print(hf_paged.get_pool(model).stats().num_used)
         """
     )
     env = {"HF_PAGED_CXX": "/nonexistent/c++", "HF_PAGED_KERNEL_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr
-    summary, message = result.stdout.strip().splitlines()[-2:]
+    summary, message, refusal, used = result.stdout.strip().splitlines()[-4:]
     assert summary == "1 {'gather': 8} True"
     assert "CPU paged-attention kernel is not available" in message and "/nonexistent/c++" in message
+    assert refusal.startswith("cache_config kernel='cpu' cannot run here: it could not be built here")
+    assert refusal.endswith("Kernels available on cpu with blocks of 16 tokens: ['auto', 'gather']") and used == "0"
 
 
 def test_a_failing_build_is_reported_not_raised(tmp_path, monkeypatch):
@@ -273,3 +283,23 @@ def test_a_failing_build_is_reported_not_raised(tmp_path, monkeypatch):
             build.load_library(cpu.SOURCE)
     finally:
         build.forget_loaded()
+
+
+@pytest.mark.parametrize("name", ["triton", "flash"])
+def test_a_kernel_asked_for_by_name_that_cannot_run_here_is_refused_with_the_kernels_that_can(name, monkeypatch):
+    """`kernel="triton"` on the CPU used to warn and gather while `kernel="flash"` raised: both are refused now,
+    before any forward, naming why and what runs here; `"auto"` chooses without a word."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as on a user's CPU: no Triton interpreter
+    model = tiny_model("llama", num_hidden_layers=1)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    options = {"max_new_tokens": 2, "do_sample": False, "pad_token_id": 0, "cache_implementation": "paged"}
+    with pytest.raises(kernels.KernelUnavailableError) as refused:
+        model.generate(ids, **options, cache_config={"kernel": name})
+    assert isinstance(refused.value, ValueError) and f"kernel={name!r} cannot run here" in str(refused.value)
+    assert str(refused.value).endswith("Kernels available on cpu with blocks of 16 tokens: ['auto', 'gather', 'cpu']")
+    assert hf_paged.get_pool(model).stats().num_used == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = model.generate(ids, **options, cache_config={"kernel": "auto"}, return_dict_in_generate=True)
+    assert out.past_key_values.stats().attention_kernel == "cpu"
+    out.past_key_values.release()

@@ -248,7 +248,8 @@ def test_without_triton_the_package_works_and_asking_for_triton_names_the_extra(
     assert result.returncode == 0, result.stderr
     message, same = result.stdout.strip().splitlines()[-2:]
     assert message == (
-        "cache_config kernel='triton' needs the triton package, which is not installed: pip install 'hf_paged[triton]'"
+        "cache_config kernel='triton' cannot run here: it needs the triton package, which is not installed: "
+        "pip install 'hf_paged[triton]'. Kernels available on cpu: ['auto', 'gather', 'cpu']"
     )
     assert same == "True"
 
@@ -257,6 +258,7 @@ def test_triton_backend_refuses_the_cpu_outside_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")  # as if it were: the backend checks it at every call
     query, key_cache, *_ = random_call(0, [9], [1])
     assert not triton_backend.supports(query, key_cache)
-    with pytest.warns(RuntimeWarning, match="TRITON_INTERPRET=1"):
-        kernels._warned.discard("device:cpu:triton")
-        assert kernels.resolve_kernel("triton", "cpu").backend == "gather"
+    with pytest.raises(kernels.KernelUnavailableError, match="TRITON_INTERPRET=1") as refused:
+        kernels.resolve_kernel("triton", "cpu")
+    assert "Kernels available on cpu: ['auto', 'gather', 'cpu']" in str(refused.value)
+    assert kernels.resolve_kernel("auto", "cpu").backend == "cpu"  # auto chooses without a word

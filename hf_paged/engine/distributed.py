@@ -15,6 +15,7 @@ timeout instead of waiting forever.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -398,7 +399,8 @@ class DistributedEngine:
         finally:
             if self.failed is None and not self._closed:
                 for request_id in pending:
-                    self.abort(request_id)
+                    with contextlib.suppress(KeyError):
+                        self.abort(request_id)
 
     def _prompt_list(self, prompts, generation_config, options: dict) -> list:
         """The prompts of a `generate`/`stream` call, as `Engine.generate` takes them (a 2-D tensor without its pad

@@ -152,7 +152,8 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._router = OutputRouter()  # each generate/stream call's outputs go to it, whoever steps
-        self.last_stats: EngineStats | None = None
+        self._last_stats: EngineStats | None = None  # of the last generate
+        self._stepped_since_last_stats = False  # steps ran since (stream, or the caller driving step())
         self.latency = LatencyHistograms()  # since the engine was created: what /metrics shows
         self.adapter_counts: dict[str | None, dict[str, int]] = {}  # per adapter (None: base), never reset
         self.reset_stats()
@@ -245,11 +246,18 @@ class Engine:
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its blocks; returns its output (`None` if unknown or already done). The next
-        `step()` reports it as finished too (for `stream`)."""
+        """Stop a request now and free its blocks; returns its output, or `None` when it had finished already (its
+        final output not yet reported by `step()`). The next `step()` reports it as finished too (for `stream`).
+
+        Raises:
+            KeyError: the engine does not know `request_id`: never added, or finished and already reported by
+                `step()` (then forgotten).
+        """
         with self._lock:
             request = self._requests.get(request_id)
-            if request is None or request.finished:
+            if request is None:
+                raise KeyError(f"no request {request_id!r} in this engine (never added, or finished and reported)")
+            if request.finished:
                 return None
             self.scheduler.finish(request, "abort")
             return request.output()  # the next step() reports it once more, to whoever streams it
@@ -323,6 +331,7 @@ class Engine:
             changed += failed
             if step is not None:
                 changed += self._run(step)
+                self._stepped_since_last_stats = True
             self._last_step_time = time.perf_counter()
             outputs = []
             for request in dict.fromkeys(changed):
@@ -480,6 +489,20 @@ class Engine:
             raise
         self.last_stats = self.stats()
         return [results[i] for i in ids]
+
+    @property
+    def last_stats(self) -> EngineStats | None:
+        """`EngineStats` of the engine's last run: those of the last `generate` call when it returns; after steps
+        run any other way (`stream`, or the caller driving `step()`), the counters since the last `reset_stats()`
+        as of the last step. `None` before any step."""
+        if self._stepped_since_last_stats:
+            return self.stats()
+        return self._last_stats
+
+    @last_stats.setter
+    def last_stats(self, stats: EngineStats | None) -> None:
+        self._last_stats = stats
+        self._stepped_since_last_stats = False
 
     def stream(
         self,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
+from difflib import get_close_matches
 
 from transformers import GenerationConfig
 
@@ -16,6 +17,13 @@ _FROM_GENERATION_CONFIG = (
     "top_p",
     "repetition_penalty",
 )
+# the OpenAI API's names for options the Engine takes under generate's names (or not at all)
+OPENAI_NAMES = {
+    "max_tokens": "use max_new_tokens, generate's name for it",
+    "max_completion_tokens": "use max_new_tokens, generate's name for it",
+    "n": "add the prompt n times (a request returns one sequence; sampled ones draw seeds of their own)",
+    "top_logprobs": "use logprobs=k (the k most likely tokens of every step)",
+}
 STOCK_DEFAULT_TOP_K = 50  # what `generate` samples with when neither the model's config nor the call sets `top_k`
 MAX_PENALTY = 2.0  # frequency and presence penalties, as OpenAI's
 MAX_LOGIT_BIAS = 100.0  # as OpenAI's
@@ -139,7 +147,8 @@ class SamplingParams:
         known = {f.name for f in fields(cls)} | {"stop_strings"}
         unknown = sorted(set(overrides) - known)
         if unknown:
-            raise TypeError(f"unknown generation options {unknown}; supported: {sorted(known)}")
+            hints = "".join(f"; {name}: {_hint(name, known)}" for name in unknown if _hint(name, known))
+            raise TypeError(f"unknown generation options {unknown}{hints}; supported: {sorted(known)}")
         if generation_config is not None and not isinstance(generation_config, GenerationConfig):
             kind = type(generation_config).__name__
             raise TypeError(f"generation_config must be a GenerationConfig or SamplingParams, got {kind}")
@@ -176,6 +185,14 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or bool(self.logit_bias)
         )
+
+
+def _hint(name: str, known: set[str]) -> str | None:
+    """What to write instead of the unknown option `name`: the Engine's name for an OpenAI one, or a close match."""
+    if name in OPENAI_NAMES:
+        return f"the OpenAI API's name; {OPENAI_NAMES[name]}"
+    close = get_close_matches(name, sorted(known), n=1)
+    return f"did you mean {close[0]}?" if close else None
 
 
 def _check_implemented(config: GenerationConfig, max_new_tokens_given: bool) -> None:

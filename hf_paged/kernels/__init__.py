@@ -66,6 +66,7 @@ __all__ = [
     "KernelChoice",
     "KernelUnavailableError",
     "auto_block_size",
+    "available_kernels",
     "in_place_backend",
     "paged_attention",
     "resolve_kernel",
@@ -76,9 +77,11 @@ _warned: set[str] = set()
 _warn_lock = threading.Lock()
 
 
-class KernelUnavailableError(ImportError):
-    """A backend asked for by name (`kernel="triton"`, `kernel="flash"`) whose package is not installed; the message
-    names the extra that installs it."""
+class KernelUnavailableError(ImportError, ValueError):
+    """A backend asked for by name (`kernel="cpu"`, `"triton"`, `"flash"`) that cannot run here: its package is not
+    installed (the message names the extra that installs it), the pool is on another device, it could not be built,
+    or it cannot read the pool's block size. The message lists the kernels available here. An `ImportError` and a
+    `ValueError`."""
 
 
 @dataclass(frozen=True)
@@ -175,82 +178,105 @@ def _log_once(key: str, message: str) -> None:
         if key in _warned:
             return
         _warned.add(key)
-    logger.warning(message)
+    logger.info(message)
+
+
+def available_kernels(device: torch.device | str, block_size: int | None = None) -> list[str]:
+    """The names `cache_config={"kernel": ...}` accepts on `device` with blocks of `block_size` tokens: `"auto"` and
+    `"gather"` everywhere, and each in-place backend that runs here (`"cpu"` where it builds; `"triton"` with its
+    package on CUDA, or on the CPU under `TRITON_INTERPRET=1`; `"flash"` with flash-attn on CUDA, for blocks of a
+    multiple of 256).
+
+    Example:
+
+    ```python
+    >>> available_kernels("cpu")[:3]
+    ['auto', 'gather', 'cpu']
+
+    ```
+    """
+    return ["auto", "gather"] + [
+        name for name in ("cpu", "triton", "flash") if _cannot_run(name, torch.device(device), block_size) is None
+    ]
+
+
+def _cannot_run(name: str, device: torch.device, block_size: int | None) -> str | None:
+    """Why in-place backend `name` cannot run on `device` with blocks of `block_size` tokens, or `None`."""
+    if name == "cpu":
+        if device.type != "cpu":
+            return f"it reads blocks in CPU memory, and the pool is on {device}"
+        try:
+            cpu.library()
+        except (KernelBuildError, RuntimeError) as error:
+            return f"it could not be built here ({error})"
+        return None
+    if not _PACKAGES[name].available():
+        package = "triton" if name == "triton" else "flash-attn"
+        return f"it needs the {package} package, which is not installed: {_PACKAGES[name].INSTALL_HINT}"
+    if name == "triton":
+        runs = triton_backend.runs_on(device)
+        return None if runs else "it runs on CUDA devices (or the CPU under TRITON_INTERPRET=1)"
+    if device.type != "cuda":
+        return f"it runs on CUDA devices, and the pool is on {device}"
+    if block_size is not None and not flash.accepts_block_size(block_size):
+        return (
+            f"flash-attn 2 reads paged K/V in blocks of a multiple of {flash.BLOCK_MULTIPLE} tokens, not {block_size} "
+            f"(cache_config block_size={flash.BLOCK_MULTIPLE} runs it)"
+        )
+    return None
 
 
 def resolve_kernel(name: str | None, device: torch.device | str, block_size: int | None = None) -> KernelChoice:
     """The `KernelChoice` of `cache_config={"kernel": name}` on `device` with blocks of `block_size` tokens (`None`:
-    `DEFAULT_KERNEL`; `block_size=None`: any). A backend that cannot run here (not built: no compiler; another
-    device) falls back to `"gather"` with one warning per process; flash-attn with a block size it cannot read
-    falls back to the Triton kernel (else gather) with one log line.
+    `DEFAULT_KERNEL`; `block_size=None`: any). `"auto"` chooses silently: on CUDA flash-attn where installed and the
+    block size allows it, then the Triton kernel, then gather; on the CPU the in-place kernel, gathering for rows of
+    more than `AUTO_CPU_MAX_QUERIES` queries (and everywhere, with one warning, when it cannot be built). A backend
+    asked for by name runs, or is refused.
 
     Raises:
         ValueError: `name` is not one of `KERNELS`.
-        KernelUnavailableError: `"triton"` or `"flash"` asked for by name without its package installed.
+        KernelUnavailableError: a backend asked for by name cannot run here (its package is missing, another device,
+            not built, a block size it cannot read); the message says why and lists the kernels available here.
     """
     name = check_kernel_name(DEFAULT_KERNEL if name is None else name)
     device = torch.device(device)
     if name == "gather":
         return KernelChoice(name, "gather")
-    if name in _PACKAGES and not _PACKAGES[name].available():
-        package = "triton" if name == "triton" else "flash-attn"
-        raise KernelUnavailableError(
-            f"cache_config kernel={name!r} needs the {package} package, which is not installed: "
-            f"{_PACKAGES[name].INSTALL_HINT}"
-        )
+    if name != "auto":
+        reason = _cannot_run(name, device, block_size)
+        if reason is not None:
+            raise KernelUnavailableError(
+                f"cache_config kernel={name!r} cannot run here: {reason}. Kernels available on {device}"
+                f"{'' if block_size is None else f' with blocks of {block_size} tokens'}: "
+                f"{available_kernels(device, block_size)}"
+            )
+        if name == "flash":
+            return KernelChoice(name, "flash", fallback="triton" if triton_backend.available() else None)
+        return KernelChoice(name, name)
     if device.type == "cuda":
-        return _resolve_cuda(name, block_size)
-    if name in ("triton", "flash") or device.type != "cpu":
-        if name == "triton" and triton_backend.runs_on(device):
-            return KernelChoice(name, "triton")
-        if name != "auto":
-            where = {"cpu": "the CPU", "triton": "CUDA devices (or the CPU under TRITON_INTERPRET=1)"}.get(
-                name, "CUDA devices"
+        if _cannot_run("flash", device, block_size) is None:
+            return KernelChoice(name, "flash", fallback="triton" if triton_backend.available() else None)
+        backend = "triton" if triton_backend.available() else "gather"
+        if flash.available():  # installed, but not for this block size
+            _log_once(
+                f"flash-block:{block_size}",
+                f"hf_paged: flash-attn 2 reads paged K/V in blocks of a multiple of {flash.BLOCK_MULTIPLE} tokens, "
+                f"not {block_size}; kernel='auto' uses kernel={backend!r} (cache_config block_size="
+                f"{flash.BLOCK_MULTIPLE} runs flash-attn)",
             )
-            _warn_once(
-                f"device:{device.type}:{name}",
-                f"hf_paged: kernel={name!r} runs on {where}, but the pool is on {device}; attention gathers "
-                "K/V instead (kernel='gather')",
-            )
+        return KernelChoice(name, backend)
+    if device.type != "cpu":
         return KernelChoice(name, "gather")
-    try:
-        cpu.library()
-    except (KernelBuildError, RuntimeError) as error:
+    reason = _cannot_run("cpu", device, block_size)
+    if reason is not None:
         _warn_once(
             "cpu-build",
-            f"hf_paged: the CPU paged-attention kernel is not available ({error}); attention gathers K/V instead "
+            f"hf_paged: the CPU paged-attention kernel is not available: {reason}; attention gathers K/V instead "
             "(kernel='gather'): correct, but slower at long contexts. Install a C++ compiler (g++ or clang++, or "
             "set HF_PAGED_CXX) to read the blocks in place.",
         )
         return KernelChoice(name, "gather")
-    return KernelChoice(name, "cpu", AUTO_CPU_MAX_QUERIES if name == "auto" else None)
-
-
-def _resolve_cuda(name: str, block_size: int | None) -> KernelChoice:
-    """`resolve_kernel` on a CUDA device: flash-attn where installed and the block size allows it, then the Triton
-    kernel where installed, then gather."""
-    if name == "cpu":
-        _warn_once(
-            "device:cuda",
-            "hf_paged: kernel='cpu' reads blocks in CPU memory, but the pool is on a CUDA device; attention gathers "
-            "K/V instead (kernel='gather')",
-        )
-        return KernelChoice(name, "gather")
-    triton_ready = triton_backend.available()
-    if name in ("auto", "flash") and flash.available():
-        if block_size is None or flash.accepts_block_size(block_size):
-            return KernelChoice(name, "flash", fallback="triton" if triton_ready else None)
-        next_backend = "triton" if triton_ready else "gather"
-        _log_once(
-            f"flash-block:{block_size}",
-            f"hf_paged: flash-attn 2 reads paged K/V in blocks of a multiple of {flash.BLOCK_MULTIPLE} tokens, "
-            f"not {block_size}; attention uses kernel={next_backend!r} (cache_config block_size="
-            f"{flash.BLOCK_MULTIPLE} runs flash-attn)",
-        )
-        return KernelChoice(name, next_backend)
-    if name in ("auto", "triton") and triton_ready:
-        return KernelChoice(name, "triton")
-    return KernelChoice(name, "gather")
+    return KernelChoice(name, "cpu", AUTO_CPU_MAX_QUERIES)
 
 
 def paged_attention(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -182,7 +183,8 @@ class EngineLoop:
                 self._call(*item)
             else:
                 for request_id in item:
-                    self.engine.abort(request_id)
+                    with contextlib.suppress(KeyError):  # finished and reported while the abort waited
+                        self.engine.abort(request_id)
 
     def _add(self, prompt_ids, choices, deliver: Deliver, future: concurrent.futures.Future) -> None:
         if not future.set_running_or_notify_cancel():
@@ -221,7 +223,8 @@ class EngineLoop:
             logger.warning("hf_paged: shutdown grace period over: aborting %d request(s)", len(pending))
             self.shutdown_aborted = True
         for request_id in pending:
-            self.engine.abort(request_id)
+            with contextlib.suppress(KeyError):
+                self.engine.abort(request_id)
 
     def _deliver(self, output: RequestOutput) -> None:
         if output.finished:
