@@ -206,6 +206,7 @@ class ForwardPlanner:
         return (
             f"the request needs {blocks} blocks of {self.pool.block_size} tokens{groups} for its {num_tokens} tokens "
             f"and the next one, but the whole pool has {self.pool.num_blocks} blocks"
+            + ("" if self.pool.sized_by is None else f", sized by {self.pool.sized_by}")
         )
 
     # ------------------------------------------------------------------ forwards

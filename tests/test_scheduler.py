@@ -3,6 +3,7 @@ its blocks through the planner's real allocation call as it is made; a forward i
 
 from __future__ import annotations
 
+import hf_paged
 from hf_paged.engine.params import SamplingParams
 from hf_paged.engine.request import Request, RequestStatus
 from hf_paged.engine.scheduler import Scheduler
@@ -10,6 +11,7 @@ from hf_paged.groups import KVLayout
 from hf_paged.planner import ForwardPlanner
 from hf_paged.pool import BlockPool
 from hf_paged.prefix import root_hash
+from hf_paged.reference_models import tiny_model
 
 ROOT = root_hash(b"test")
 
@@ -93,6 +95,14 @@ def test_a_request_that_can_never_fit_fails_alone():
         "the request needs 5 blocks of 4 tokens for its 16 tokens and the next one, but the whole pool has 4 blocks"
     )
     assert names(step.requests) == ["small"]
+
+
+def test_the_engines_refusal_names_what_set_the_pools_size():
+    model = tiny_model("llama")
+    engine = hf_paged.Engine(model, block_size=4, num_blocks=4)
+    (output,) = engine.generate([list(range(3, 19))], max_new_tokens=2)
+    assert output.finish_reason == "error"
+    assert output.error.endswith("but the whole pool has 4 blocks, sized by Engine(num_blocks=4)")
 
 
 def test_a_lone_request_outgrowing_the_pool_ends_with_its_blocks_returned():
