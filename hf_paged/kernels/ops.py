@@ -1,0 +1,101 @@
+"""The paged attention and the K/V write as torch custom ops, so `torch.compile` can trace a step through them.
+
+`torch.ops.hf_paged.paged_attention` is `kernels.paged_attention` (every backend behind its `kernel` argument) and
+`torch.ops.hf_paged.write_kv` stores new tokens' K/V into their slots of a layer's blocks, in place. Each has a fake
+(meta) implementation that only states the output's shape, so a compiled graph holds each as one opaque node: no
+graph break at the attention (the CPU kernel is a ctypes call, which Dynamo cannot trace) and no recompilation when
+the number of tokens changes (`dynamic=True`). Blocks stored unquantized only: quantized pages (codes and scales)
+are not tensors of one shape these ops take.
+
+Example:
+
+```python
+>>> import torch
+>>> from hf_paged.kernels import ops
+>>> key_cache, value_cache = torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8)
+>>> keys, values = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+>>> ops.write_kv(key_cache, value_cache, torch.tensor([32, 33, 34]), keys, values)   # block 2, slots 0-2
+>>> out = ops.paged_attention(
+...     torch.randn(3, 4, 8), key_cache, value_cache,
+...     block_tables=torch.tensor([[2]], dtype=torch.int32), seq_lens=torch.tensor([3], dtype=torch.int32),
+...     query_start=torch.tensor([0, 3], dtype=torch.int32), scale=8**-0.5, kernel="gather",
+... )
+>>> out.shape, torch.equal(key_cache[2, :3], keys)
+(torch.Size([3, 4, 8]), True)
+
+```
+"""
+
+from typing import Optional
+
+import torch
+
+__all__ = ["mark_varying", "paged_attention", "write_kv"]
+
+
+@torch.library.custom_op("hf_paged::paged_attention", mutates_args=())
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    scale: float,
+    window: Optional[int] = None,  # noqa: UP045 - the op's schema is read from these annotations
+    softcap: Optional[float] = None,  # noqa: UP045
+    sinks: Optional[torch.Tensor] = None,  # noqa: UP045
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """`kernels.paged_attention` as the op `hf_paged::paged_attention` (same arguments; a new tensor)."""
+    from . import paged_attention as dispatch  # the package imports this module
+
+    out = dispatch(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+        sinks=sinks,
+        kernel=kernel,
+    )
+    return out if out.is_contiguous() else out.contiguous()
+
+
+@paged_attention.register_fake
+def _(query, key_cache, value_cache, block_tables, seq_lens, query_start, scale, window, softcap, sinks, kernel):
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("hf_paged::write_kv", mutates_args=("key_cache", "value_cache"))
+def write_kv(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+) -> None:
+    """Store `keys[i]` and `values[i]` (`[tokens, kv_heads, head_dim]`) in slot `slots[i]` (block id x block size +
+    offset) of `key_cache` and `value_cache` (`[num_blocks, block_size, kv_heads, head_dim]`), in place."""
+    key_cache.view(-1, *keys.shape[1:]).index_copy_(0, slots, keys.to(key_cache.dtype))
+    value_cache.view(-1, *values.shape[1:]).index_copy_(0, slots, values.to(value_cache.dtype))
+
+
+@write_kv.register_fake
+def _(key_cache, value_cache, slots, keys, values) -> None:
+    return None
+
+
+def mark_varying(*tensor_dims: tuple[torch.Tensor, tuple[int, ...]]) -> None:
+    """Mark the dimensions of a step's tensors that change from step to step (tokens, rows, block-table width) as
+    sizes a compiled graph takes as inputs, 0 and 1 included: `torch.compile` would otherwise specialize on sizes 0
+    and 1 and on sizes that happen to be equal in its first call, and compile again when they change.
+
+    Example: `mark_varying((query, (0,)), (block_tables, (0, 1)))` before calling a function compiled with
+    `fullgraph=True, dynamic=False`.
+    """
+    from torch._dynamo.decorators import mark_unbacked
+
+    for tensor, dims in tensor_dims:
+        for dim in dims:
+            mark_unbacked(tensor, dim)
