@@ -29,6 +29,8 @@ def test_engine_limits_are_options():
     assert build_parser().parse_args(["serve", "m", "--max-num-batched-tokens", "128"]).max_num_batched_tokens == 128
     assert build_parser().parse_args(["serve", "m"]).cpu_linear == "stock"
     assert build_parser().parse_args(["serve", "m", "--cpu-linear", "onednn"]).cpu_linear == "onednn"
+    assert build_parser().parse_args(["serve", "m"]).prefix_caching is True
+    assert build_parser().parse_args(["serve", "m", "--no-prefix-caching"]).prefix_caching is False
 
 
 def test_block_size_may_be_auto():
@@ -91,6 +93,9 @@ BAD_OPTIONS = {
     "not-a-device": (["--device", "gpu0"], "--device 'gpu0' is not a device"),
     "port": (["--port", "70000"], "argument --port: must be a port number in [0, 65535], got 70000"),
     "kernel": (["--kernel", "fast"], "argument --kernel: invalid choice: 'fast'"),
+    "kernel-not-here": (["--kernel", "flash", "--device", "cpu"],
+                        "--kernel flash cannot run here: it needs the flash-attn package, which is not installed: "
+                        "pip install 'hf_paged[flash]'; kernels available on cpu with --block-size 16: auto, gather"),
     "kv-dtype": (["--kv-dtype", "fp4"], "argument --kv-dtype: invalid choice: 'fp4'"),
     "cpu-linear": (["--cpu-linear", "mkl"], "argument --cpu-linear: invalid choice: 'mkl'"),
     # int8 pages: 16 tokens x 2 layers x K and V x 2 KV heads x (16 + 2) bytes = 2,304 bytes

@@ -251,3 +251,22 @@ def test_a_wrong_api_key_is_refused(server):
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model=MODEL, prompt="hi", max_tokens=2)
     assert httpx.get(f"{server}/v1/models").status_code == 401
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["default", "no-prefix-caching"])
+def test_no_prefix_caching_serves_every_prompt_in_full(tmp_path, prefix_caching):
+    """`--no-prefix-caching`: the second identical prompt reuses no block (its answer cannot depend on the first);
+    by default it does."""
+    from .serve_helpers import save_tiny_model
+
+    options = ("--block-size", "4", "--num-blocks", "256") + (() if prefix_caching else ("--no-prefix-caching",))
+    process = ServerProcess(save_tiny_model(tmp_path / "tiny"), *options)
+    try:
+        body = {"model": "tiny", "prompt": " ".join(["pages"] * 24), "max_tokens": 2, "temperature": 0}
+        texts = [httpx.post(f"{process.base}/v1/completions", json=body, timeout=60).json() for _ in range(2)]
+        assert texts[0]["choices"][0]["text"] == texts[1]["choices"][0]["text"]
+        wait_for_idle(process.base)
+        assert (metric(process.base, "hf_paged_prefix_hit_ratio") > 0) == prefix_caching
+        assert (metric(process.base, "hf_paged_kv_blocks_cached") > 0) == prefix_caching
+    finally:
+        process.close()

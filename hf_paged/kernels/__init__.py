@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cpu, flash, ops
+from . import cpu, flash, ops  # noqa: F401 - ops registers torch.ops.hf_paged.*
 from . import triton as triton_backend
 from .build import KernelBuildError
 from .reference import gather_paged_attention
@@ -67,6 +67,7 @@ __all__ = [
     "KernelUnavailableError",
     "auto_block_size",
     "available_kernels",
+    "unavailable_reason",
     "in_place_backend",
     "paged_attention",
     "resolve_kernel",
@@ -198,6 +199,13 @@ def available_kernels(device: torch.device | str, block_size: int | None = None)
     return ["auto", "gather"] + [
         name for name in ("cpu", "triton", "flash") if _cannot_run(name, torch.device(device), block_size) is None
     ]
+
+
+def unavailable_reason(name: str, device: torch.device | str, block_size: int | None = None) -> str | None:
+    """Why `cache_config={"kernel": name}` cannot run on `device` with blocks of `block_size` tokens, or `None`
+    (always `None` for `"auto"` and `"gather"`)."""
+    name = check_kernel_name(name)
+    return None if name in ("auto", "gather") else _cannot_run(name, torch.device(device), block_size)
 
 
 def _cannot_run(name: str, device: torch.device, block_size: int | None) -> str | None:

@@ -65,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="matmuls of the model's linear layers on a CPU: stock (default: torch's nn.Linear) or onednn (weights "
         "packed once for oneDNN: faster decoding on many CPUs; outputs differ from stock by float rounding)",
     )
+    serve.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="compute every prompt in full instead of reusing cached prompt blocks: answers then do not depend on "
+        "earlier requests (with bf16 or quantized pages a reused block can change an answer; docs/exactness.md)",
+    )
     size = serve.add_mutually_exclusive_group()
     size.add_argument("--num-blocks", type=_positive, help="KV blocks in the pool")
     size.add_argument(
@@ -259,6 +266,8 @@ def check_serve_args(args) -> None:
         _check_device(args.device)
     if args.cpu_linear == "onednn":
         _check_cpu_linear(args.device)
+    if args.kernel not in (None, "auto", "gather"):
+        _check_kernel(args.kernel, args.device, args.block_size)
     config = _check_model_path(args.model_path, args.gguf_file)
     shapes = None if config is None else _kv_shapes(config)
     if args.kv_dtype is not None and shapes is not None:
@@ -270,6 +279,21 @@ def check_serve_args(args) -> None:
     if args.max_memory is not None and shapes is not None:
         block_size = 16 if args.block_size == "auto" else args.block_size  # "auto": at least 16 (a lower bound)
         _check_memory(args.max_memory, block_size, args.dtype, shapes, args.kv_dtype or "auto")
+
+
+def _check_kernel(name: str, device: str | None, block_size: int | str) -> None:
+    import torch
+
+    from ..kernels import auto_block_size, available_kernels, unavailable_reason
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    block_size = auto_block_size(device, name) if block_size == "auto" else block_size
+    reason = unavailable_reason(name, device, block_size)
+    if reason is not None:
+        raise UsageError(
+            f"--kernel {name} cannot run here: {reason}; kernels available on {device} with --block-size "
+            f"{block_size}: {', '.join(available_kernels(device, block_size))}"
+        )
 
 
 def _check_cpu_linear(device: str | None) -> None:
@@ -448,6 +472,8 @@ def serve(args) -> None:
         pool_options["num_blocks"] = args.num_blocks
     if args.max_memory is not None:
         pool_options["max_memory"] = args.max_memory
+    if not args.prefix_caching:
+        pool_options["prefix_caching"] = False
     try:
         engine = Engine(
             model,
