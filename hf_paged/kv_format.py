@@ -4,7 +4,9 @@ token and KV head that lives in the block next to its codes.
 A quantized token is written once and never re-quantized: its scale depends on its own values only (absmax of the
 head's `head_dim` channels, symmetric), so a block being filled, copied on write or shared by prefix caching holds
 exactly the codes and scales written, and every reader (the gather reference, the CPU kernel) dequantizes the same
-values: `code * scale`, in fp32.
+values: `code * scale`, in fp32. A code is a step function of its K/V: the same tokens' K/V computed in a batch of
+another shape differ by float rounding and can get other codes, so a block shared by prefix caching holds the codes
+of the call that computed it, not always those a later call would write (docs/exactness.md).
 
 A per-token scale is set by the vector's largest channel, and keys have a few outlier channels: the others get
 few levels (SmolLM2 with plain per-token int4: perplexity +52%; plain int8: 54% of greedy 64-token continuations
