@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cpu, flash, ops  # noqa: F401 - ops registers torch.ops.hf_paged.*
+from . import cpu, flash
 from . import triton as triton_backend
 from .build import KernelBuildError
 from .reference import gather_paged_attention

@@ -4,8 +4,8 @@
 `torch.ops.hf_paged.write_kv` stores new tokens' K/V into their slots of a layer's blocks, in place. Each has a fake
 (meta) implementation that only states the output's shape, so a compiled graph holds each as one opaque node: no
 graph break at the attention (the CPU kernel is a ctypes call, which Dynamo cannot trace) and no recompilation when
-the number of tokens changes (`dynamic=True`). Blocks stored unquantized only: quantized pages (codes and scales)
-are not tensors of one shape these ops take.
+the number of tokens changes (see `mark_varying`). Blocks stored unquantized only: quantized pages (codes and
+scales) are not tensors of one shape these ops take. Importing this module registers the ops.
 
 Example:
 
@@ -30,6 +30,8 @@ from typing import Optional
 
 import torch
 
+from . import paged_attention as dispatch
+
 __all__ = ["mark_varying", "paged_attention", "write_kv"]
 
 
@@ -48,8 +50,6 @@ def paged_attention(
     kernel: str = "auto",
 ) -> torch.Tensor:
     """`kernels.paged_attention` as the op `hf_paged::paged_attention` (same arguments; a new tensor)."""
-    from . import paged_attention as dispatch  # the package imports this module
-
     out = dispatch(
         query,
         key_cache,
