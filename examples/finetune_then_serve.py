@@ -214,12 +214,25 @@ def mean_loss(model, tokenizer, examples: list[Example], batch_size: int = 16) -
     return total / count
 
 
-def train(model, tokenizer, examples: list[Example], steps: int, lr: float, batch_size: int, seed: int) -> list[float]:
-    """`steps` AdamW steps on the trainable (LoRA) parameters; returns the loss of every step."""
+def train(
+    model,
+    tokenizer,
+    examples: list[Example],
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    progress_bar: bool = True,
+) -> list[float]:
+    """`steps` AdamW steps on the trainable (LoRA) parameters; returns the loss of every step.
+
+    `progress_bar=False` hides the progress bar (in a notebook, whose stored outputs would keep every frame of it).
+    """
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     losses = []
-    progress = tqdm(zip(range(steps), batches(examples, batch_size, seed)), total=steps, desc="fine-tuning")
+    steps_and_batches = zip(range(steps), batches(examples, batch_size, seed))
+    progress = tqdm(steps_and_batches, total=steps, desc="fine-tuning", disable=not progress_bar)
     for _, chunk in progress:
         loss = model(**encode_batch(tokenizer, chunk)).loss
         loss.backward()

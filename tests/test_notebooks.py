@@ -1,71 +1,42 @@
-"""Every notebook in notebooks/ runs top to bottom in a fresh kernel, and is stored executed, with its pictures.
-
-The run uses a tiny random model (`HF_PAGED_NOTEBOOK_TINY=1`) unless the variable is already set, e.g.
-`HF_PAGED_NOTEBOOK_TINY=0 python -m pytest tests/test_notebooks.py` runs them on SmolLM2-135M as committed.
+"""Every notebook in notebooks/ is stored executed top to bottom, with its pictures, current classes and no
+progress bars; tests/test_doc_outputs.py re-runs each on SmolLM2-135M and compares its outputs with the stored ones.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
 import pytest
 
+from .test_doc_outputs import checker
+
 nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
-CELL_TIMEOUT_S = 600
-
-
-def execute(notebook, folder: Path, monkeypatch) -> None:
-    """Run `notebook` in a fresh kernel started in `folder`, importing hf_paged from this checkout; raises
-    `CellExecutionError`, naming the cell, if any cell fails."""
-    monkeypatch.setenv("HF_PAGED_NOTEBOOK_TINY", os.environ.get("HF_PAGED_NOTEBOOK_TINY", "1"))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    client = nbclient.NotebookClient(
-        notebook, timeout=CELL_TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": str(folder)}}
-    )
-    client.execute()
+PROGRESS_BAR = re.compile(r"\d+%\||\d+/\d+ \[\d+:\d+")  # tqdm: " 50%|█████     | 8/16 [00:14<00:13"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[path.name for path in NOTEBOOKS])
-def test_notebook_runs_top_to_bottom(path: Path, monkeypatch):
-    notebook = nbformat.read(path, as_version=4)
-    stored = printed_per_cell(notebook)
-    for cell in notebook.cells:
-        if cell.cell_type == "code":
-            cell.outputs = []
-    execute(notebook, path.parent, monkeypatch)
-    code_cells = [cell for cell in notebook.cells if cell.cell_type == "code"]
-    assert code_cells and all(cell.execution_count for cell in code_cells)
-    # the stored outputs are current: each cell prints the same kinds of objects now (a run on the tiny model prints
-    # other numbers, but PoolStats where the stored output says PoolStats, with the same fields)
-    fresh = printed_per_cell(notebook)
-    stale = [(i + 1, old, new) for i, (old, new) in enumerate(zip(stored, fresh)) if old != new]
-    assert not stale, f"{path.name}: stored outputs are stale, run python notebooks/execute.py: {stale}"
-
-
-def printed_per_cell(notebook) -> list[set]:
-    """For each code cell, the objects its outputs print: `{(class name, its repr's keywords), ...}`."""
-    cells = []
-    for cell in notebook.cells:
-        if cell.cell_type == "code":
-            texts = [o.get("text", "") + o.get("data", {}).get("text/plain", "") for o in cell.outputs]
-            cells.append({(name, tuple(keys)) for text in texts for name, keys in printed_objects(text)})
-    return cells
-
-
-@pytest.mark.slow
-def test_a_failing_cell_fails_the_run_negative_control(tmp_path, monkeypatch):
+def test_a_failing_cell_fails_the_run_negative_control(tmp_path):
     cells = ["import hf_paged", "hf_paged.BlockAllocator(num_blocks=0, block_size=16)", "print('never reached')"]
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in cells])
-    with pytest.raises(nbclient.exceptions.CellExecutionError, match="num_blocks must be a positive int"):
-        execute(notebook, tmp_path, monkeypatch)
-    assert notebook.cells[2].execution_count is None
+    path = tmp_path / "failing.ipynb"
+    nbformat.write(notebook, path)
+    with pytest.raises(checker.ExecutionFailed, match=r"(?s)failing.ipynb, code cell 2 raised:.*num_blocks must be"):
+        checker.run_notebook(path)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[path.name for path in NOTEBOOKS])
+def test_notebook_carries_no_progress_bars(path: Path):
+    notebook = nbformat.read(path, as_version=4)
+    for index, cell in enumerate(c for c in notebook.cells if c.cell_type == "code"):
+        for output in cell.outputs:
+            text = output.get("text", "") + output.get("data", {}).get("text/plain", "")
+            assert "\r" not in text and not PROGRESS_BAR.search(text), (
+                f"{path.name}, code cell {index + 1}: a progress bar in the stored output: {text[:200]!r}"
+            )
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[path.name for path in NOTEBOOKS])

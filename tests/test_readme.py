@@ -1,11 +1,10 @@
-"""The README's Python blocks run as written (the quick start stays runnable)."""
+"""The README has a runnable quick start; tests/test_doc_outputs.py runs its Python blocks in order and compares
+what they print with the README's text blocks."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-
-import pytest
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -16,16 +15,4 @@ def python_blocks() -> list[str]:
 
 def test_readme_has_a_quick_start():
     assert len(python_blocks()) >= 3
-
-
-@pytest.mark.slow
-def test_readme_python_blocks_run_in_order(smollm2, capsys):
-    namespace: dict = {}
-    blocks = python_blocks()[1:]  # the first block is the one-line teaser
-    for block in blocks:
-        exec(compile(block, str(README), "exec"), namespace)
-    printed = capsys.readouterr().out
-    assert "Paris" in printed
-    import hf_paged
-
-    assert hf_paged.get_pool(namespace["model"]).stats().num_used == 0
+    assert "hf_paged.release_pool(model)" in README.read_text()
