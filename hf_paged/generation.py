@@ -320,6 +320,19 @@ def _generate(model, inputs, generation_config, kwargs: dict):
     return output
 
 
+def _refuse_if_too_large(request: _PagedRequest, generation_config, model_kwargs, num_rows: int, final_length: int):
+    """Refuse (`RequestTooLargeError`) a call whose rows, expanded for beams and returned sequences, may need more
+    blocks than the whole pool, before its first forward."""
+    width = request.input_ids.shape[-1] if request.input_ids is not None else None
+    if model_kwargs.get("inputs_embeds") is not None:
+        width = model_kwargs["inputs_embeds"].shape[1]
+    if width is None:
+        return
+    expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+    prompts = prompt_groups(request.input_ids, request.attention_mask, num_rows, width, final_length, expand)
+    request.cache.refuse_if_too_large(prompts, getattr(generation_config, "prefill_chunk_size", None))
+
+
 def _prepare_paged_cache(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):
     request = next((r for r in reversed(_requests()) if r.model is self and r.cache is None), None)
     if request is None:
@@ -336,15 +349,7 @@ def _prepare_paged_cache(self, generation_config, model_kwargs, generation_mode,
     ForwardPlanner.pool_for(self, request.config, caller="generate")  # built (or found) for this call
     request.cache = PagedCache(self, **request.config.options())
     if not generation_config.is_assistant:  # an assistant's cache grows over many short calls
-        width = request.input_ids.shape[-1] if request.input_ids is not None else None
-        if model_kwargs.get("inputs_embeds") is not None:
-            width = model_kwargs["inputs_embeds"].shape[1]
-        if width is not None:
-            expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
-            prompts = prompt_groups(
-                request.input_ids, request.attention_mask, batch_size, width, max_cache_length, expand
-            )
-            request.cache.refuse_if_too_large(prompts, getattr(generation_config, "prefill_chunk_size", None))
+        _refuse_if_too_large(request, generation_config, model_kwargs, batch_size, max_cache_length)
     if model_kwargs.get("inputs_embeds") is None and generation_mode in _MODES_THAT_SLICE_A_STARTED_CACHE:
         lookup = not _outputs_every_position(self, generation_config, {})
         request.cache.start_from_prompt(request.input_ids, request.attention_mask, lookup)

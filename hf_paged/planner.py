@@ -160,9 +160,14 @@ class ForwardPlanner:
         for window in self.layout.windows:
             blocks = -(-(num_tokens + 1) // size)
             if window is not None:
-                blocks = min(blocks, -(-(window - 1 + chunk) // size) + 1)
+                blocks = min(blocks, self._window_blocks(window, chunk))
             total += blocks
         return total
+
+    def _window_blocks(self, window: int, chunk: int) -> int:
+        """The most blocks a row of a sliding group holds while computing `chunk` tokens: those of its last
+        `window - 1` tokens and the chunk's, one block more where they start inside a block."""
+        return -(-(window - 1 + chunk) // self.pool.block_size) + 1
 
     def peak_blocks(self, prompts: list[tuple[int, int, int]], prefill_chunk: int | None = None) -> int:
         """The most blocks a `generate` call's rows can hold at once, in the worst case. `prompts` lists one
@@ -191,8 +196,8 @@ class ForwardPlanner:
                 first, held = -(-prompt // size), shared + rows * (-(-total // size) - shared)
                 if window is not None:
                     chunk = prompt if prefill_chunk is None else min(prefill_chunk, prompt)
-                    first = min(first, -(-(window - 1 + chunk) // size) + 1)
-                    held = min(held, rows * (-(-window // size) + 1))
+                    first = min(first, self._window_blocks(window, chunk))
+                    held = min(held, rows * self._window_blocks(window, 1))
                 prefill, last = prefill + first, last + held
         return max(prefill, last)
 

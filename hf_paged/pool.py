@@ -194,13 +194,6 @@ class BlockPool:
         return self.allocator.sized_by
 
     @property
-    def kv_bytes(self) -> int | None:
-        """Memory of all of the pool's blocks (`None` for a pool built without a model)."""
-        return (
-            None if self.kv_shape is None else self.num_blocks * self.block_size * self.kv_shape.bytes_per_block_token
-        )
-
-    @property
     def block_size(self) -> int:
         return self.allocator.block_size
 
@@ -523,7 +516,8 @@ def _warn_if_smaller_than_default(pool: BlockPool, default: _Sizing, caller: str
     """Once per pool: a call naming no size runs on an idle pool that an earlier call sized below the default."""
     if pool._warned_smaller_than_default or not pool.explicitly_sized or pool.allocator.num_used:
         return
-    if pool.kv_bytes is None or pool.kv_bytes >= default.kv_bytes:
+    pool_bytes = pool.stats().kv_bytes_total
+    if pool_bytes is None or pool_bytes >= default.kv_bytes:
         return
     pool._warned_smaller_than_default = True
     logger.warning(
@@ -533,7 +527,7 @@ def _warn_if_smaller_than_default(pool: BlockPool, default: _Sizing, caller: str
         "a size: cache_config={'num_blocks': ...} or {'max_memory': ...}",
         caller,
         pool.num_blocks,
-        pool.kv_bytes / 2**20,
+        pool_bytes / 2**20,
         pool.sized_by,
         default.kv_bytes / 2**20,
     )
