@@ -258,12 +258,10 @@ def resolve_kernel(name: str | None, device: torch.device | str, block_size: int
                 f"{'' if block_size is None else f' with blocks of {block_size} tokens'}: "
                 f"{available_kernels(device, block_size)}"
             )
-        if name == "flash":
-            return KernelChoice(name, "flash", fallback="triton" if triton_backend.available() else None)
-        return KernelChoice(name, name)
+        return _flash_choice(name) if name == "flash" else KernelChoice(name, name)
     if device.type == "cuda":
         if _cannot_run("flash", device, block_size) is None:
-            return KernelChoice(name, "flash", fallback="triton" if triton_backend.available() else None)
+            return _flash_choice(name)
         backend = "triton" if triton_backend.available() else "gather"
         if flash.available():  # installed, but not for this block size
             _log_once(
@@ -285,6 +283,11 @@ def resolve_kernel(name: str | None, device: torch.device | str, block_size: int
         )
         return KernelChoice(name, "gather")
     return KernelChoice(name, "cpu", AUTO_CPU_MAX_QUERIES)
+
+
+def _flash_choice(requested: str) -> KernelChoice:
+    """flash-attn, the Triton kernel (where installed) taking the calls flash-attn cannot (fp32, attention sinks)."""
+    return KernelChoice(requested, "flash", fallback="triton" if triton_backend.available() else None)
 
 
 def paged_attention(
