@@ -222,6 +222,19 @@ class BatchCache(Cache, ForwardBoundCache):
             return key_states, value_states
         return batch.read(storage, layer_idx, new=(key_states, value_states))
 
+    def record_compiled_forward(self) -> None:
+        """Account for the running batch's forward run by a compiled step (`engine.step_runner`), whose attention
+        wrote and read every layer through the ops rather than `update`: every layer counts as written and read, and
+        the batch's full blocks are indexed for prefix reuse, as `update` does after the last layer."""
+        batch = self._batch
+        layers = range(len(self.layers))
+        batch.layers_written.update(layers)
+        batch.layers_read.update(layers)
+        batch.last_layer = layers[-1]
+        batch.reads_tables = True
+        if self.prefix_caching:
+            self.pool.index_full_blocks(batch.rows, self.planner.roots, share=False)
+
     def read_layer(
         self,
         layer_idx: int | None,

@@ -51,8 +51,8 @@ def random_step(rng: random.Random, rows: int, width: int) -> dict:
 def step(query, keys, values, key_cache, value_cache, slots, block_tables, seq_lens, query_start, kernel, window):
     ops.write_kv(key_cache, value_cache, slots, keys, values)
     return ops.paged_attention(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start, 0.3, window, 5.0, None, kernel
-    )
+        query, key_cache, value_cache, block_tables, seq_lens, query_start, 0.3, window, 5.0, None, backend=kernel
+    )  # `backend` by keyword: inductor's lowering once clashed with an argument named `kernel`
 
 
 def run(function, case: dict, kernel: str, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import itertools
 import operator
 import sys
@@ -18,16 +16,16 @@ from ..adapters import AdapterSet, LoraAdapter
 from ..batch_cache import BatchCache
 from ..config import ATTENTION_NAME, PagedCacheConfig
 from ..cpu_linear import check_cpu_linear, onednn_available, pack_linears, packed_linears, unpack_linears
-from ..forward import EAGER, attention_implementation, own_attention, paged_attention_for
+from ..forward import EAGER, own_attention, paged_attention_for
 from ..planner import ForwardPlanner
 from ..support import cache_not_taken, check_cache_kept, prompt_learning_method
-from ..transfer import device_tensor
 from .params import SamplingParams
 from .request import Request, RequestOutput, RequestStatus
 from .routing import OutputRouter
 from .sampler import next_tokens, token_logprobs
 from .scheduler import Scheduler, Step
 from .stats import EngineStats, LatencyHistograms, Reservoir, percentile
+from .step_runner import StepRunner, check_compile
 from .text import TextTracker
 
 Prompt = str | Sequence[int]
@@ -64,6 +62,9 @@ class Engine:
         cpu_linear (`str`): `"stock"` (default) or `"onednn"`: pack the weights of the model's `nn.Linear` layers on
             the CPU once for oneDNN's matmul, much faster at decoding's small steps on some CPUs; outputs then differ
             from the unpacked model's by float rounding (see `hf_paged.cpu_linear`). `close()` unpacks them.
+        compile (`bool`): run packed steps through `torch.compile` of the model's forward (inductor), with the paged
+            attention and K/V writes as custom ops (see `engine.step_runner`); outputs then differ from eager
+            `generate`'s by float rounding. Compiling fails over to eager steps with one warning.
         **cache_config: pool options (`block_size`, `num_blocks`, `max_memory`, `prefix_caching`, `kernel`,
             `kv_dtype` (`"int8"`, `"int4"`: quantized pages), ...), or
             `cache_config=` a dict or `PagedCacheConfig` of them, as `generate` takes it.
@@ -100,6 +101,7 @@ class Engine:
         max_adapters: int = 8,
         max_rank: int = 64,
         cpu_linear: str = "stock",
+        compile: bool = False,
         **cache_config,
     ):
         limits = {
@@ -116,6 +118,7 @@ class Engine:
                 f"({max_batch_size}): a step holds one token of every running request"
             )
         _check_cpu_linear(cpu_linear, model)
+        check_compile(compile)
         reason = cache_not_taken(model)
         if reason is not None:
             raise NotImplementedError(f"the Engine cannot serve this model: {reason}")
@@ -147,7 +150,7 @@ class Engine:
         self._packed_linears = 0  # layers this engine packed (and unpacks on close)
         if cpu_linear == "onednn" and not packed_linears(model):
             self._packed_linears = pack_linears(model)
-        self._keep_last_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.runner = StepRunner(model, self.cache, self.adapters, self.pad_token_id, compile)
         self._lock = threading.RLock()
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -390,68 +393,12 @@ class Engine:
 
     def _forward(self, step: Step) -> torch.Tensor:
         self.cache.run(step.batch)
-        packed = step.batch.packed
-        inputs = self._packed_inputs(step) if packed is not None else self._forward_inputs(step)
-        last = None if packed is None else packed.last_token_index.to(self.device)
-        if self._keep_last_logits:
-            inputs["logits_to_keep"] = 1 if last is None else last
-        with (
-            torch.inference_mode(),
-            attention_implementation(self.model, self._implementation),
-            self._adapters_applied(step, inputs["input_ids"].shape[1]),
-        ):
-            output = self.model(**inputs, past_key_values=self.cache, use_cache=True)
-        self._count_positions(step, inputs["input_ids"].numel())
-        if last is None:
-            return output.logits[:, -1, :]
-        return output.logits[0] if self._keep_last_logits else output.logits[0].index_select(0, last)
-
-    def _adapters_applied(self, step: Step, width: int):
-        """The context in which the model's forward applies every request's LoRA adapter to its own tokens: one
-        adapter slot per input position (packed: each request's new tokens; right-aligned: `width` positions per
-        row) and one per row (the LM head under `logits_to_keep`)."""
-        if not len(self.adapters) and not self.adapters.num_resident:
-            return contextlib.nullcontext()
-        if all(request.adapter is None for request in step.requests):
-            return contextlib.nullcontext()  # the base model's tokens only: nothing to add
-        rows = [-1 if r.adapter is None else self.adapters.slot_of(r.adapter) for r in step.requests]
-        repeats = step.new_tokens if step.batch.packed is not None else [width] * len(rows)
-        tokens = [slot for slot, count in zip(rows, repeats) for _ in range(count)]
-        return self.adapters.applied(torch.tensor(tokens), torch.tensor(rows))
-
-    def _count_positions(self, step: Step, positions: int) -> None:
-        """Positions through the model this step, and how many of them were pads (no token)."""
+        compiled = self.runner.compiled_steps
+        logits, positions = self.runner.forward(step, self._implementation)
+        self._counters["compiled_steps"] += self.runner.compiled_steps - compiled
         self._counters["positions_computed"] += positions
         self._counters["pad_positions"] += positions - sum(step.new_tokens)
-
-    def _packed_inputs(self, step: Step) -> dict[str, torch.Tensor]:
-        """`input_ids` and `position_ids` (`[1, T]`) of a packed step: every request's new tokens one after another,
-        each at its own position; no attention mask (the attention masks each row itself)."""
-        ids, positions = [], []
-        for request, count in zip(step.requests, step.new_tokens):
-            end = request.row.num_tokens  # the step's blocks are taken: its tokens are in the row
-            ids += request.token_ids[end - count : end]
-            positions += range(end - count, end)
-        device = self.device
-        return {
-            "input_ids": device_tensor([ids], device, torch.long),
-            "position_ids": device_tensor([positions], device, torch.long),
-        }
-
-    def _forward_inputs(self, step: Step) -> dict[str, torch.Tensor]:
-        """`input_ids`, `attention_mask` and `position_ids` of the step's right-aligned batch (`plan_step`): row `i`
-        has `leading_pads[i]` left pads and computes the last `num_new` of its positions, which end after its new
-        tokens."""
-        batch = step.batch
-        pads, width, past_length, length = batch.leading_pads, batch.num_new, batch.past_length, batch.length
-        ends = [r.row.num_tokens for r in step.requests]  # the step's blocks are taken: its tokens are in the rows
-        windows = [r.token_ids[max(end - width, 0) : end] for r, end in zip(step.requests, ends)]
-        device = self.device
-        input_ids = device_tensor([[self.pad_token_id] * (width - len(w)) + w for w in windows], device, torch.long)
-        pads_column = device_tensor(pads, device)[:, None]
-        attention_mask = (torch.arange(length, device=device)[None, :] >= pads_column).long()
-        position_ids = (torch.arange(past_length, length, device=device)[None, :] - pads_column).clamp(min=0)
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        return logits
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
         params = request.params
@@ -588,6 +535,7 @@ class Engine:
                     "mixed_steps",
                     "positions_computed",
                     "pad_positions",
+                    "compiled_steps",
                 ),
                 0,
             )
@@ -622,6 +570,7 @@ class Engine:
                 prefix_hit_rate=self.prefix_hit_rate,
                 attention_kernel=self.cache.kernel.backend,
                 attention_calls=dict(self.cache.attention_calls),
+                compiled_steps=c["compiled_steps"],
             )
 
     def _account_finished(self, request: Request) -> None:

@@ -32,6 +32,7 @@ class EngineStats:
             place; `"gather"`: K/V copied out of them first; see `hf_paged.kernels`).
         attention_calls (`dict[str, int]`): attention calls (per layer and step) by the backend that ran them, since
             the engine was created.
+        compiled_steps (`int`): steps whose forward ran compiled (`Engine(compile=True)`; the others ran eagerly).
     """
 
     num_requests: int
@@ -53,6 +54,7 @@ class EngineStats:
     pad_positions: int = 0
     attention_kernel: str = "gather"
     attention_calls: dict = field(default_factory=dict, repr=False)
+    compiled_steps: int = 0
 
     @property
     def pad_share(self) -> float:

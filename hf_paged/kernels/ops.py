@@ -1,6 +1,6 @@
 """The paged attention and the K/V write as torch custom ops, so `torch.compile` can trace a step through them.
 
-`torch.ops.hf_paged.paged_attention` is `kernels.paged_attention` (every backend behind its `kernel` argument) and
+`torch.ops.hf_paged.paged_attention` is `kernels.paged_attention` (every backend behind its `backend` argument) and
 `torch.ops.hf_paged.write_kv` stores new tokens' K/V into their slots of a layer's blocks, in place. Each has a fake
 (meta) implementation that only states the output's shape, so a compiled graph holds each as one opaque node: no
 graph break at the attention (the CPU kernel is a ctypes call, which Dynamo cannot trace) and no recompilation when
@@ -18,7 +18,7 @@ Example:
 >>> out = ops.paged_attention(
 ...     torch.randn(3, 4, 8), key_cache, value_cache,
 ...     block_tables=torch.tensor([[2]], dtype=torch.int32), seq_lens=torch.tensor([3], dtype=torch.int32),
-...     query_start=torch.tensor([0, 3], dtype=torch.int32), scale=8**-0.5, kernel="gather",
+...     query_start=torch.tensor([0, 3], dtype=torch.int32), scale=8**-0.5, backend="gather",
 ... )
 >>> out.shape, torch.equal(key_cache[2, :3], keys)
 (torch.Size([3, 4, 8]), True)
@@ -47,9 +47,10 @@ def paged_attention(
     window: Optional[int] = None,  # noqa: UP045 - the op's schema is read from these annotations
     softcap: Optional[float] = None,  # noqa: UP045
     sinks: Optional[torch.Tensor] = None,  # noqa: UP045
-    kernel: str = "auto",
+    backend: str = "auto",
 ) -> torch.Tensor:
-    """`kernels.paged_attention` as the op `hf_paged::paged_attention` (same arguments; a new tensor)."""
+    """`kernels.paged_attention` as the op `hf_paged::paged_attention` (same arguments, its `kernel` named
+    `backend`, a name inductor's lowering keeps for itself; a new tensor)."""
     out = dispatch(
         query,
         key_cache,
@@ -61,13 +62,25 @@ def paged_attention(
         window=window,
         softcap=softcap,
         sinks=sinks,
-        kernel=kernel,
+        kernel=backend,
     )
     return out if out.is_contiguous() else out.contiguous()
 
 
 @paged_attention.register_fake
-def _(query, key_cache, value_cache, block_tables, seq_lens, query_start, scale, window, softcap, sinks, kernel):
+def _(
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    seq_lens,
+    query_start,
+    scale,
+    window=None,
+    softcap=None,
+    sinks=None,
+    backend="auto",
+):
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 

@@ -36,6 +36,9 @@ _SAMPLES = (  # name, kind, help
     ("hf_paged_attention_kernel_info", "gauge", "The paged-attention backend in use (label kernel), always 1"),
     ("hf_paged_kv_dtype_info", "gauge", "How the pool stores K/V (label kv_dtype: auto, int8, int4), always 1"),
     ("hf_paged_attention_calls_total", "counter", "Attention calls (per layer and step) by the backend that ran them"),
+    ("hf_paged_engine_steps_by_forward_total", "counter", "Engine steps by forward: compiled or eager"),
+    ("hf_paged_compiled_graphs_total", "counter", "Step graphs compiled (a new one after the first: a recompilation)"),
+    ("hf_paged_compile_seconds_total", "counter", "Seconds spent compiling step graphs"),
     ("hf_paged_tp_world_size", "gauge", "Tensor-parallel ranks serving the model (1: one process)"),
     ("hf_paged_rank_kv_blocks_used", "gauge", "KV blocks in use in each rank's pool"),
     ("hf_paged_rank_kv_usage_ratio", "gauge", "Share of each rank's KV blocks in use"),
@@ -109,6 +112,12 @@ class MetricsSnapshot:
             values[f'hf_paged_kv_dtype_info{{kv_dtype="{engine.pool.kv_dtype}"}}'] = 1
             for backend, calls in cache.attention_calls.items():
                 values[f'hf_paged_attention_calls_total{{kernel="{backend}"}}'] = calls
+        runner = getattr(engine, "runner", None)  # a DistributedEngine's ranks have none
+        if runner is not None:
+            values['hf_paged_engine_steps_by_forward_total{forward="compiled"}'] = runner.compiled_steps
+            values['hf_paged_engine_steps_by_forward_total{forward="eager"}'] = runner.eager_steps
+            values["hf_paged_compiled_graphs_total"] = runner.graphs
+            values["hf_paged_compile_seconds_total"] = runner.compile_s
         states = getattr(engine, "rank_states", None) or [RankState.of(0, engine)]  # a DistributedEngine's ranks
         values["hf_paged_tp_world_size"] = len(states)
         for state in states:

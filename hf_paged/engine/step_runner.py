@@ -1,0 +1,336 @@
+"""`StepRunner`: the Engine's forward of one planned step, eager or compiled.
+
+Planning stays on the host (`Scheduler` → `ForwardPlanner` → `ForwardBatch`); the runner turns the planned step into
+the model's inputs and runs the model:
+
+- **eager** (`compile=False`, bit-exact with `generate`): the model's own forward over the engine's `BatchCache`
+  under the `"hf_paged"` attention, which finds the running `ForwardBatch` through the cache.
+- **compiled** (`compile=True`): a step whose pages are unquantized and whose requests use no LoRA adapter
+  runs as one packed sequence (a decode step's rows one token each, a mixed step's rows one after another)
+  through `torch.compile(fullgraph=True)` of the model's forward under the `"hf_paged_step"` attention
+  (`hf_paged.step_attention`), with every paged tensor of the step passed in as `StepTensors`: the compiled region
+  takes only tensors. The sizes that change from step to step (tokens, rows, block-table width) are graph inputs
+  (`ops.mark_varying`), so one graph serves every packed step of a model; the compiled forward's outputs differ from
+  the eager one's by float rounding (inductor fuses and reorders operations). Other steps (the first, which
+  allocates the pool's tensors; steps with adapters; quantized pages; a stock attention's right-aligned steps, a
+  right-aligned prefill with left pads) run eagerly. Where compiling fails (no C++ compiler for inductor, a model that
+  breaks the graph), one warning names the error and every later step runs eagerly.
+
+Inductor keeps its compiled kernels in its on-disk caches (`TORCHINDUCTOR_CACHE_DIR`), so a second process compiles
+the same model faster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import time
+import types
+import warnings
+
+import torch
+
+from ..config import ATTENTION_NAME
+from ..forward import attention_implementation
+from ..kernels import ops
+from ..prefix import prefix_namespace
+from ..step_attention import STEP_ATTENTION_NAME, StepTensors, count_attention_calls, register_step_attention
+from ..transfer import device_tensor
+
+logger = logging.getLogger(__name__)
+
+COMPILE_MODES = (True, False)
+COMPILE_BACKEND = "inductor"  # torch.compile's backend for compiled steps (tests may swap it)
+_COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError)
+
+
+def check_compile(value) -> bool:
+    """`value` as an Engine's `compile` option, or `ValueError` naming it."""
+    if not isinstance(value, bool):
+        raise ValueError(f"compile must be True or False, got {value!r}")
+    return value
+
+
+class StepRunner:
+    """Runs an Engine's planned steps through its model (see the module docstring).
+
+    Args:
+        model (`PreTrainedModel`): the served model.
+        cache (`BatchCache`): the engine's cache (its pool, kernel and running batch).
+        adapters (`AdapterSet`): the engine's LoRA adapters.
+        pad_token_id (`int`): the id right-aligned steps pad with.
+        compile (`bool`): compile packed steps.
+
+    Attributes:
+        compiled_steps, eager_steps (`int`): steps run each way.
+        graphs (`int`): graphs compiled (a new one means the first step of its shapes' kind, or a recompilation).
+        compile_s (`float`): seconds spent in compiled calls that compiled a graph.
+        disabled (`str`, *optional*): why compiled steps stopped (a compile error), or `None`.
+
+    Example:
+
+    ```python
+    >>> import hf_paged
+    >>> from hf_paged.reference_models import tiny_model
+    >>> engine = hf_paged.Engine(tiny_model("llama"), block_size=4, num_blocks=64, compile=False)
+    >>> _ = engine.generate([[1, 2, 3]], max_new_tokens=3)
+    >>> engine.runner.compiled_steps, engine.runner.eager_steps
+    (0, 3)
+
+    ```
+    """
+
+    def __init__(self, model, cache, adapters, pad_token_id: int, compile: bool = False):
+        self.model = model
+        self.cache = cache
+        self.adapters = adapters
+        self.pad_token_id = pad_token_id
+        self.compile = check_compile(compile)
+        self.device = model.get_input_embeddings().weight.device
+        self.keep_last_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.compiled_steps = self.eager_steps = self.graphs = 0
+        self.compile_s = 0.0
+        self.disabled: str | None = None
+        self._compiled = None
+        self._weights: bytes = b""  # the weights the compiled forward folded in (`_weights_key`)
+        self._checked = False  # a first step ran eagerly under the step attention and every layer attended once
+
+    @property
+    def num_steps(self) -> int:
+        return self.compiled_steps + self.eager_steps
+
+    # ------------------------------------------------------------------ one step
+    def forward(self, step, implementation: str) -> tuple[torch.Tensor, int]:
+        """Run `step` (planned, its batch given to the cache with `run`); returns the logits of every row's last new
+        token, `[rows, vocab]`, and the positions the model computed."""
+        if self._compiles(step, implementation):
+            logits = self._compiled_forward(step)
+            if logits is not None:
+                return logits, sum(step.new_tokens)
+        self.eager_steps += 1
+        packed = step.batch.packed
+        inputs = self._packed_inputs(step) if packed is not None else self._forward_inputs(step)
+        last = None if packed is None else packed.last_token_index.to(self.device)
+        if self.keep_last_logits:
+            inputs["logits_to_keep"] = 1 if last is None else last
+        with (
+            torch.inference_mode(),
+            attention_implementation(self.model, implementation),
+            self._adapters_applied(step, inputs["input_ids"].shape[1]),
+        ):
+            output = self.model(**inputs, past_key_values=self.cache, use_cache=True)
+        positions = inputs["input_ids"].numel()
+        if last is None:
+            return output.logits[:, -1, :], positions
+        return (output.logits[0] if self.keep_last_logits else output.logits[0].index_select(0, last)), positions
+
+    def _compiles(self, step, implementation: str) -> bool:
+        """Whether `step` runs compiled: compiling is on and has not failed, the step is packed under the
+        `"hf_paged"` attention, its requests use no adapter, and every layer's pages are allocated, unquantized."""
+        if not self.compile or self.disabled is not None or implementation != ATTENTION_NAME or self.model.training:
+            return False
+        if not _packable(step):
+            return False
+        if any(request.adapter is not None for request in step.requests):
+            return False
+        storage = self.cache.pool.storage
+        if storage.format.quantized or not all(layer.is_initialized for layer in self.cache.layers):
+            return False
+        return all(storage.has_layer(layer) for layer in range(len(self.cache.layers)))
+
+    def _compiled_forward(self, step) -> torch.Tensor | None:
+        """The step's logits from the compiled forward (its first step: eagerly under the step attention, checking
+        the model), or `None` when compiling failed here (compiled steps are then disabled, with one warning)."""
+        input_ids, position_ids = self._packed_inputs(step).values()
+        ends = _cumulative(step.new_tokens)
+        last = device_tensor([end - 1 for end in ends], self.device)
+        tensors = self._step_tensors(step, ends)
+        ops.mark_varying((input_ids, (1,)), (position_ids, (1,)), (last, (0,)), *tensors.varying())
+        register_step_attention()
+        with torch.inference_mode(), attention_implementation(self.model, STEP_ATTENTION_NAME):
+            if not self._checked:
+                logits = self._first_step(input_ids, position_ids, last, tensors)
+            else:
+                logits = self._run_compiled(input_ids, position_ids, last, tensors)
+        if logits is None:
+            return None
+        self.cache.record_compiled_forward()
+        self.compiled_steps += 1
+        return logits
+
+    def _first_step(self, input_ids, position_ids, last, tensors) -> torch.Tensor:
+        """Run the first step eagerly under the step attention, checking that every layer attended exactly once
+        through it (a layer that did not would have stored nothing), then build the compiled forward."""
+        layers = list(range(len(tensors.windows)))
+        with count_attention_calls() as calls:
+            try:
+                logits = _run_model(self.model, self.keep_last_logits, input_ids, position_ids, last, tensors)
+            except (RuntimeError, NotImplementedError, TypeError) as error:
+                return self._disable(_describe(error))
+        if sorted(calls) != layers:
+            return self._disable(
+                f"{type(self.model).__name__}'s attention ran for layers {sorted(calls)} instead of each of its "
+                f"{len(layers)} layers once (it does not route every layer through the registered attention)"
+            )
+        self._checked = True
+        self._build()
+        return logits
+
+    def _build(self) -> None:
+        """A new compiled forward for the model's weights as they are now (inductor's freezing folds them into the
+        graph, as packed constants: the oneDNN layouts its CPU matmuls read fastest)."""
+        options = {"freezing": True} if COMPILE_BACKEND == "inductor" else None
+        self._compiled = torch.compile(
+            _fresh(_run_model), backend=COMPILE_BACKEND, fullgraph=True, dynamic=False, options=options
+        )
+        self._weights = self._weights_key()
+
+    def _weights_key(self) -> bytes:
+        """What the model's weights are now (`prefix.prefix_namespace`; the planner refreshes it every step when
+        prefix caching is on)."""
+        planner = self.cache.planner
+        return planner.root if planner.prefix_caching else prefix_namespace(self.model)
+
+    def _run_compiled(self, input_ids, position_ids, last, tensors) -> torch.Tensor | None:
+        """The compiled forward's logits, or `None` after a compile error (compiling is then disabled, with one
+        warning)."""
+        if self._weights_key() != self._weights:  # trained, merged, edited or replaced since it was compiled
+            logger.info("hf_paged: the model's weights changed since the Engine compiled its steps: compiling again")
+            self._build()
+        graphs = _unique_graphs()
+        start = time.perf_counter()
+        try:
+            logits = self._compiled(self.model, self.keep_last_logits, input_ids, position_ids, last, tensors)
+        except _COMPILE_ERRORS as error:
+            return self._disable(_describe(error))
+        new = _unique_graphs() - graphs
+        if new:
+            elapsed = time.perf_counter() - start
+            self.graphs += new
+            self.compile_s += elapsed
+            logger.info("hf_paged: compiled the Engine's step forward in %.1f s (graph %d)", elapsed, self.graphs)
+        return logits
+
+    def _disable(self, reason: str) -> None:
+        """Stop compiling for good, with one warning naming `reason`; the step runs eagerly."""
+        self.disabled = reason
+        warnings.warn(
+            f"hf_paged: the Engine's compiled steps are off ({self.disabled}); every step runs eagerly from now on "
+            "(Engine(..., compile=False) chooses that up front)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+
+    def _step_tensors(self, step, ends: list[int]) -> StepTensors:
+        """The step's `StepTensors`; `ends`: where every row's new tokens end in the packed step."""
+        batch, cache = step.batch, self.cache
+        layout = cache.layout
+        storage = cache.pool.storage
+        layers = range(len(layout.layer_windows))
+        first_layers = [group.layers[0] for group in layout.groups]
+        tables = [batch.kernel_tables(layer, self.device) for layer in first_layers]
+        return StepTensors(
+            kv=tuple(storage.layer_tensors(layer) for layer in layers),
+            slots=tuple(addressing.write_slots.contiguous() for addressing in batch.groups),
+            block_tables=tuple(blocks for blocks, _ in tables),
+            seq_lens=tuple(lengths for _, lengths in tables),
+            query_start=device_tensor([0, *ends], self.device, torch.int32),
+            group_of=layout.group_of,
+            windows=layout.layer_windows,
+            kernel=cache.kernel.requested,
+        )
+
+    # ------------------------------------------------------------------ inputs
+    def _adapters_applied(self, step, width: int):
+        """The context in which the model's forward applies every request's LoRA adapter to its own tokens: one
+        adapter slot per input position (packed: each request's new tokens; right-aligned: `width` positions per
+        row) and one per row (the LM head under `logits_to_keep`)."""
+        if not len(self.adapters) and not self.adapters.num_resident:
+            return contextlib.nullcontext()
+        if all(request.adapter is None for request in step.requests):
+            return contextlib.nullcontext()  # the base model's tokens only: nothing to add
+        rows = [-1 if r.adapter is None else self.adapters.slot_of(r.adapter) for r in step.requests]
+        repeats = step.new_tokens if step.batch.packed is not None else [width] * len(rows)
+        tokens = [slot for slot, count in zip(rows, repeats) for _ in range(count)]
+        return self.adapters.applied(torch.tensor(tokens), torch.tensor(rows))
+
+    def _packed_inputs(self, step) -> dict[str, torch.Tensor]:
+        """`input_ids` and `position_ids` (`[1, T]`) of a packed step: every request's new tokens one after another,
+        each at its own position; no attention mask (the attention masks each row itself)."""
+        ids, positions = [], []
+        for request, count in zip(step.requests, step.new_tokens):
+            end = request.row.num_tokens  # the step's blocks are taken: its tokens are in the row
+            ids += request.token_ids[end - count : end]
+            positions += range(end - count, end)
+        device = self.device
+        return {
+            "input_ids": device_tensor([ids], device, torch.long),
+            "position_ids": device_tensor([positions], device, torch.long),
+        }
+
+    def _forward_inputs(self, step) -> dict[str, torch.Tensor]:
+        """`input_ids`, `attention_mask` and `position_ids` of the step's right-aligned batch (`plan_step`): row `i`
+        has `leading_pads[i]` left pads and computes the last `num_new` of its positions, which end after its new
+        tokens."""
+        batch = step.batch
+        pads, width, past_length, length = batch.leading_pads, batch.num_new, batch.past_length, batch.length
+        ends = [r.row.num_tokens for r in step.requests]  # the step's blocks are taken: its tokens are in the rows
+        windows = [r.token_ids[max(end - width, 0) : end] for r, end in zip(step.requests, ends)]
+        device = self.device
+        input_ids = device_tensor([[self.pad_token_id] * (width - len(w)) + w for w in windows], device, torch.long)
+        pads_column = device_tensor(pads, device)[:, None]
+        attention_mask = (torch.arange(length, device=device)[None, :] >= pads_column).long()
+        position_ids = (torch.arange(past_length, length, device=device)[None, :] - pads_column).clamp(min=0)
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+
+
+def _run_model(model, keep_last_logits: bool, input_ids, position_ids, last, tensors: StepTensors) -> torch.Tensor:
+    """The model's forward over a packed step under the step attention: logits of the tokens `last` names."""
+    if keep_last_logits:
+        output = model.forward(
+            input_ids=input_ids, position_ids=position_ids, logits_to_keep=last, use_cache=False, hf_paged_step=tensors
+        )
+        return output.logits[0]
+    output = model.forward(input_ids=input_ids, position_ids=position_ids, use_cache=False, hf_paged_step=tensors)
+    return output.logits[0].index_select(0, last)
+
+
+def _describe(error: BaseException) -> str:
+    """`error` and the errors that caused it, each as `Type: first line of its message`, outermost first."""
+    parts = []
+    while error is not None and len(parts) < 4:
+        lines = str(error).strip().splitlines()
+        parts.append(f"{type(error).__name__}: {lines[0][:200] if lines else ''}".rstrip(": "))
+        error = error.__cause__ or getattr(error, "inner_exception", None)  # BackendCompilerFailed keeps it there
+    return " <- ".join(parts)
+
+
+def _packable(step) -> bool:
+    """Whether `step` can run as one packed sequence: it is packed, or right-aligned with every row storing all its
+    `num_new` positions (a decode step: one token per row), whose write slots are then in packed order."""
+    batch = step.batch
+    if batch.packed is not None:
+        return True
+    return all(count == batch.num_new for count in step.new_tokens) and all(
+        addressing.write_index is None for addressing in batch.groups
+    )
+
+
+def _fresh(function):
+    """A copy of `function` with a code object of its own: Dynamo keeps compiled graphs (and its recompile limit)
+    per code object, so each runner's graphs stay its own however many engines a process builds."""
+    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__)
+
+
+def _unique_graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def _cumulative(counts: list[int]) -> list[int]:
+    total, out = 0, []
+    for count in counts:
+        total += count
+        out.append(total)
+    return out

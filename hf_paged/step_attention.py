@@ -1,0 +1,159 @@
+"""The attention of a compiled step: `"hf_paged_step"`, which takes every paged tensor of the step as an argument.
+
+`paged_attention_forward` (`"hf_paged"`) finds its cache through a per-thread binding and asks the running
+`ForwardBatch` where each layer's K/V lie: host-side Python that `torch.compile` would guard on and compile again for
+every step. A compiled step instead hands the model one `StepTensors` as the keyword argument `hf_paged_step`, which
+transformers' decoder models pass down to their attention function: each layer stores its new K/V into their planned
+slots (`torch.ops.hf_paged.write_kv`) and attends through the block tables (`torch.ops.hf_paged.paged_attention`).
+Both ops are opaque nodes of the compiled graph; everything else the forward does (embeddings, norms, rotary,
+matmuls) is traced and compiled. No mask is built: `"hf_paged_step"` has no mask function, so transformers skips
+mask creation, and the kernel applies each row's causal window from `seq_lens` and `query_start`.
+
+Example:
+
+```python
+>>> import torch
+>>> from hf_paged.reference_models import tiny_model
+>>> from hf_paged.step_attention import STEP_ATTENTION_NAME, StepTensors, register_step_attention
+>>> model = tiny_model("llama")
+>>> layers, shape = model.config.num_hidden_layers, (8, 4, model.config.num_key_value_heads, model.config.head_dim)
+>>> blocks = tuple((torch.zeros(shape), torch.zeros(shape)) for _ in range(layers))  # 8 blocks of 4 tokens
+>>> step = StepTensors(  # one row of 3 new tokens, in block 5
+...     kv=blocks, slots=(torch.tensor([20, 21, 22]),), block_tables=(torch.tensor([[5]], dtype=torch.int32),),
+...     seq_lens=(torch.tensor([3], dtype=torch.int32),), query_start=torch.tensor([0, 3], dtype=torch.int32),
+...     group_of=(0,) * layers, windows=(None,) * layers, kernel="gather",
+... )
+>>> ids = torch.tensor([[5, 6, 7]])
+>>> register_step_attention()
+>>> model.set_attn_implementation(STEP_ATTENTION_NAME)
+>>> with torch.no_grad():
+...     paged = model(input_ids=ids, position_ids=torch.arange(3)[None], use_cache=False, hf_paged_step=step).logits
+>>> model.set_attn_implementation("sdpa")
+>>> with torch.no_grad():
+...     stock = model(input_ids=ids).logits
+>>> torch.allclose(paged, stock, atol=1e-5)
+True
+
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import torch
+
+from .kernels import ops
+
+STEP_ATTENTION_NAME = "hf_paged_step"
+_calls: list[int] | None = None  # while set (eagerly, by the step runner's first step): every layer that attends
+
+__all__ = [
+    "STEP_ATTENTION_NAME",
+    "StepTensors",
+    "count_attention_calls",
+    "register_step_attention",
+    "step_attention_forward",
+]
+
+
+class StepTensors(NamedTuple):
+    """Everything a packed step's attention reads, as tensors and constants (a `NamedTuple`, so `torch.compile`
+    takes its tensors as graph inputs and guards on its constants).
+
+    Attributes:
+        kv (`tuple`): per layer, the `(key_cache, value_cache)` blocks of its lane,
+            `[num_blocks, block_size, kv_heads, head_dim]` (unquantized pages).
+        slots (`tuple[torch.Tensor, ...]`): per layer group, int64 `[T]`: the slot every new token is stored in, in
+            packed order.
+        block_tables (`tuple[torch.Tensor, ...]`): per layer group, int32 `[rows, width]`.
+        seq_lens (`tuple[torch.Tensor, ...]`): per layer group, int32 `[rows]`: tokens of every row after the step.
+        query_start (`torch.Tensor`): int32 `[rows + 1]`: where each row's new tokens start in the packed step.
+        group_of (`tuple[int, ...]`): the layer group of every layer.
+        windows (`tuple[int | None, ...]`): the attention window of every layer (`None`: full attention).
+        kernel (`str`): the `kernels.paged_attention` backend name (`"auto"`, `"cpu"`, `"gather"`, ...).
+    """
+
+    kv: tuple
+    slots: tuple
+    block_tables: tuple
+    seq_lens: tuple
+    query_start: torch.Tensor
+    group_of: tuple
+    windows: tuple
+    kernel: str
+
+    def varying(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+        """The dimensions that change from step to step (tokens, rows, table width), for `ops.mark_varying`."""
+        dims = [(self.query_start, (0,))]
+        for slots, tables, lengths in zip(self.slots, self.block_tables, self.seq_lens):
+            dims += [(slots, (0,)), (tables, (0, 1)), (lengths, (0,))]
+        return dims
+
+
+def step_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    hf_paged_step: StepTensors | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention registered as `"hf_paged_step"`: store this layer's new K/V (`[1, kv_heads, T, head_dim]`) in the
+    step's slots, then attend every packed query (`[1, heads, T, head_dim]`) over its row's K/V through the block
+    tables. Returns `[1, T, heads, head_dim]` and no weights."""
+    step = hf_paged_step
+    if step is None:
+        raise RuntimeError(
+            f"the {STEP_ATTENTION_NAME!r} attention runs only inside hf_paged's compiled steps, which pass "
+            "`hf_paged_step`; this model's attention was called without it (the model does not pass keyword "
+            "arguments down to its attention)"
+        )
+    if kwargs.get("output_attentions"):
+        raise NotImplementedError(f"the {STEP_ATTENTION_NAME!r} attention returns no attention probabilities")
+    layer = module.layer_idx
+    if not torch.compiler.is_compiling() and _calls is not None:
+        _calls.append(layer)
+    key_cache, value_cache = step.kv[layer]
+    group = step.group_of[layer]
+    ops.write_kv(key_cache, value_cache, step.slots[group], key[0].transpose(0, 1), value[0].transpose(0, 1))
+    out = ops.paged_attention(
+        query[0].transpose(0, 1),
+        key_cache,
+        value_cache,
+        step.block_tables[group],
+        step.seq_lens[group],
+        step.query_start,
+        query.shape[-1] ** -0.5 if scaling is None else scaling,
+        step.windows[layer],
+        softcap,
+        s_aux,
+        step.kernel,
+    )
+    return out[None], None
+
+
+def register_step_attention() -> None:
+    """Register `step_attention_forward` as `"hf_paged_step"` in transformers' `AttentionInterface` (idempotent;
+    no mask function: transformers then builds no mask for it)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(STEP_ATTENTION_NAME, step_attention_forward)
+
+
+@contextlib.contextmanager
+def count_attention_calls():
+    """Collect the layer index of every eager `step_attention_forward` call in the block (a list)."""
+    global _calls
+    calls: list[int] = []
+    _calls = calls
+    try:
+        yield calls
+    finally:
+        _calls = None

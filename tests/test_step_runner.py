@@ -1,0 +1,157 @@
+"""The Engine's compiled steps (`Engine(compile=True)`, `engine.step_runner`): the same tokens as its eager steps,
+log-probabilities within float rounding, one compiled graph for every step shape, and eager steps wherever compiling
+cannot serve (a compile error, changed weights, quantized pages)."""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+
+import hf_paged
+import hf_paged.engine.step_runner as step_runner
+from hf_paged.reference_models import tiny_model
+
+LOGPROB_TOLERANCE = 1e-4  # fp32, tiny models: inductor's fused and reordered sums move log-probs by ~1e-6
+
+
+def prompts(count: int, seed: int = 0, longest: int = 30) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randint(3, 120) for _ in range(rng.randint(1, longest))] for _ in range(count)]
+
+
+def run(model, compile: bool, batch: list[list[int]], max_new_tokens=12, **options):
+    """Tokens, log-probs and the engine of one `generate` over `batch` in a fresh pool (mixed steps: 32 tokens)."""
+    hf_paged.release_pool(model)
+    engine = hf_paged.Engine(
+        model, block_size=4, num_blocks=512, max_batch_size=8, max_num_batched_tokens=32, compile=compile, **options
+    )
+    params = hf_paged.SamplingParams(max_new_tokens=max_new_tokens, logprobs=0)
+    outputs = engine.generate(batch, params)
+    engine.pool.check_invariants()
+    return [o.token_ids for o in outputs], [[p.logprob for p in o.logprobs] for o in outputs], engine
+
+
+@pytest.fixture
+def backend(monkeypatch):
+    """Compile with `aot_eager` (traced through the same custom ops, no C++ build): what most tests need, fast."""
+    monkeypatch.setattr(step_runner, "COMPILE_BACKEND", "aot_eager")
+    return "aot_eager"
+
+
+@pytest.mark.parametrize(
+    "family, compiler",
+    [("llama", "inductor"), ("gemma2", "inductor"), ("qwen3", "aot_eager"), ("starcoder2", "aot_eager")],
+)
+def test_compiled_steps_give_the_eager_engines_tokens(family, compiler, monkeypatch):
+    # gemma2: full and sliding layer groups, soft-capped logits; starcoder2: every layer sliding (window 6)
+    monkeypatch.setattr(step_runner, "COMPILE_BACKEND", compiler)
+    model = tiny_model(family)
+    batch = prompts(20)
+    tokens, logprobs, eager = run(model, False, batch)
+    compiled_tokens, compiled_logprobs, engine = run(model, True, batch)
+    assert compiled_tokens == tokens
+    difference = max(abs(a - b) for row, other in zip(logprobs, compiled_logprobs) for a, b in zip(row, other))
+    assert difference < LOGPROB_TOLERANCE
+    runner = engine.runner
+    assert eager.runner.compiled_steps == 0
+    assert runner.compiled_steps == runner.num_steps - 1  # all but the first, which allocates the pages
+    assert runner.graphs == 1 and runner.disabled is None
+    assert engine.stats().compiled_steps == runner.compiled_steps
+
+
+def test_one_graph_serves_40_requests_of_varied_lengths(backend):
+    model = tiny_model("llama")
+    torch._dynamo.utils.counters.clear()
+    rng = random.Random(1)
+    hf_paged.release_pool(model)
+    engine = hf_paged.Engine(
+        model, block_size=4, num_blocks=1024, max_batch_size=6, max_num_batched_tokens=24, compile=True
+    )
+    for index in range(40):  # one at a time and in groups: steps of 1 token, of 1 row, mixed, long prompts chunked
+        batch = prompts(1 + index % 4, seed=index, longest=60)
+        engine.generate(batch, hf_paged.SamplingParams(max_new_tokens=rng.randint(1, 20)))
+    assert engine.runner.compiled_steps > 200
+    assert engine.runner.graphs == 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_compile_error_falls_back_to_eager_steps_with_one_warning(monkeypatch):
+    def failing_backend(graph_module, example_inputs):
+        raise RuntimeError("no C++ compiler in this simulation")
+
+    monkeypatch.setattr(step_runner, "COMPILE_BACKEND", failing_backend)
+    model = tiny_model("llama")
+    batch = prompts(6)
+    tokens, _, _ = run(model, False, batch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled_tokens, _, engine = run(model, True, batch)
+    messages = [str(w.message) for w in caught if "compiled steps are off" in str(w.message)]
+    assert len(messages) == 1 and "no C++ compiler in this simulation" in messages[0]
+    assert compiled_tokens == tokens
+    assert engine.runner.disabled is not None and engine.runner.compiled_steps == 1  # the checked first step only
+
+
+def test_changed_weights_are_compiled_again(backend):
+    model = tiny_model("llama")
+    batch = prompts(6)
+    hf_paged.release_pool(model)
+    engine = hf_paged.Engine(model, block_size=4, num_blocks=512, compile=True)
+    before = [o.token_ids for o in engine.generate(batch, max_new_tokens=8)]
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)  # an in-place edit: a fine-tune step, a merged adapter
+    after = [o.token_ids for o in engine.generate(batch, max_new_tokens=8)]
+    expected, _, _ = run(model, False, batch, max_new_tokens=8)
+    assert after == expected and after != before
+    assert engine.runner.graphs == 2
+
+
+def test_steps_the_compiled_forward_does_not_take_run_eagerly(backend):
+    model = tiny_model("llama")
+    batch = prompts(6)
+    tokens, _, engine = run(model, True, batch, kv_dtype="int8")  # quantized pages: codes and scales
+    assert engine.runner.compiled_steps == 0
+    reference, _, _ = run(model, False, batch, kv_dtype="int8")
+    assert tokens == reference
+
+
+def test_a_model_that_does_not_pass_its_kwargs_to_attention_runs_eagerly(backend):
+    model = tiny_model("llama")
+    attention = model.model.layers[1].self_attn
+    forward = attention.forward
+
+    def without_kwargs(hidden_states, position_embeddings, attention_mask, **kwargs):
+        kwargs.pop("hf_paged_step", None)  # as a model that drops what it does not know
+        return forward(hidden_states, position_embeddings, attention_mask, **kwargs)
+
+    attention.forward = without_kwargs
+    batch = prompts(6)
+    tokens, _, _ = run(model, False, batch)
+    with pytest.warns(RuntimeWarning, match="compiled steps are off") as caught:
+        compiled_tokens, _, engine = run(model, True, batch)
+    assert len([w for w in caught if "compiled steps are off" in str(w.message)]) == 1
+    assert compiled_tokens == tokens and engine.runner.compiled_steps == 0
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_the_compile_option_is_checked_before_anything_is_built(value):
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=f"compile must be True or False, got {value!r}"):
+        hf_paged.Engine(model, compile=value)
+
+
+def test_smollm2_compiled_engine_gives_the_eager_tokens(smollm2):
+    model, tokenizer = smollm2
+    questions = ["What is the capital of France?", "Name three primary colors.", "Count from one to five."]
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False) for q in questions]
+    runs = {}
+    for compile in (False, True):
+        hf_paged.release_pool(model)
+        with hf_paged.Engine(model, tokenizer, num_blocks=256, compile=compile) as engine:
+            outputs = engine.generate(chats, max_new_tokens=24)
+            runs[compile] = [o.token_ids for o in outputs], engine.runner.compiled_steps, engine.runner.graphs
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] > 20 and runs[True][2] == 1
