@@ -19,7 +19,8 @@ while waiting count too).
 - Engine: `hf_paged.Engine(model, block_size=16, num_blocks=budget // 16)` with its default settings (batch size,
   prefill chunking, kernel), no tokenizer; once per `--engine-cpu-linear`: `stock` (the default: torch's
   `nn.Linear`) and `onednn` (`cpu_linear="onednn"`: weights packed for oneDNN's matmul, as vLLM's CPU backend
-  multiplies).
+  multiplies), and once per `--engine-compile`: `off` (eager steps, the default) and `on` (`compile=True`: steps
+  through `torch.compile`, compiled during the warm-up, whose time the notes show as start-up).
 - vLLM: `LLM(<fp32 safetensors copy of the same model>, dtype="float32", block_size=32,
   num_gpu_blocks_override=budget // 32 + 1)` (the extra block is vLLM's null block, which holds no K/V) with its
   other defaults (inductor compilation, prefix caching, chunked prefill, `max_num_seqs`, `max_num_batched_tokens`);
@@ -186,29 +187,35 @@ class VllmSide:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def engine_name(cpu_linear: str) -> str:
-    return "hf_paged Engine" if cpu_linear == "stock" else f"hf_paged Engine, cpu_linear={cpu_linear}"
+def engine_name(cpu_linear: str, compile: bool = False) -> str:
+    options = ([] if cpu_linear == "stock" else [f"cpu_linear={cpu_linear}"]) + (["compile=True"] if compile else [])
+    return ", ".join(["hf_paged Engine", *options])
 
 
 class EngineSide:
     """hf_paged's Engine over the same workload, with its defaults, in this process."""
 
-    def __init__(self, model, requests, warmup, budget_tokens: int, threads: int, cpu_linear: str = "stock"):
+    def __init__(
+        self, model, requests, warmup, budget_tokens: int, threads: int, cpu_linear: str = "stock", compile=False
+    ):
         import torch
 
         import hf_paged
 
         self.hf_paged, self.requests = hf_paged, requests
         torch.set_num_threads(threads)
+        begin = time.perf_counter()
         self.engine = hf_paged.Engine(
             model,
             block_size=ENGINE_BLOCK_SIZE,
             num_blocks=budget_tokens // ENGINE_BLOCK_SIZE,
             progress=False,
             cpu_linear=cpu_linear,
+            compile=compile,
         )
         if warmup:
             self.generate(warmup)
+        self.start_up = time.perf_counter() - begin  # building it and the warm-up (compiling, with compile=True)
 
     def generate(self, batch) -> tuple[float, list[list[int]], float]:
         params = [self.hf_paged.SamplingParams(max_new_tokens=n, eos_token_id=()) for _, n in batch]
@@ -231,11 +238,21 @@ class EngineSide:
         return (
             f"max_batch_size {scheduler.max_batch_size}, max_num_batched_tokens {scheduler.max_num_batched_tokens}, "
             f"{stats.num_steps} steps, {stats.preemptions} preemptions, kernel {kernel}, cpu_linear "
-            f"{self.engine.cpu_linear}"
+            f"{self.engine.cpu_linear}, {_compiled_note(self.engine, stats)}, start-up {self.start_up:.0f} s"
         )
 
     def close(self) -> None:
         self.engine.close()
+
+
+def _compiled_note(engine, stats) -> str:
+    runner = getattr(engine, "runner", None)  # (versions before compiled steps had none)
+    if runner is None or not runner.compile:
+        return "eager steps"
+    return (
+        f"{getattr(stats, 'compiled_steps', 0)} compiled steps, {runner.graphs} graph(s) compiled in "
+        f"{runner.compile_s:.0f} s" + (f", compiling off: {runner.disabled}" if runner.disabled else "")
+    )
 
 
 def agreement(ours: list[list[int]], theirs: list[list[int]]) -> str:
@@ -273,6 +290,13 @@ def main() -> None:
         default=["stock", "onednn"],
         choices=["stock", "onednn"],
         help="the Engine's cpu_linear settings, one row each",
+    )
+    parser.add_argument(
+        "--engine-compile",
+        nargs="+",
+        default=["off", "on"],
+        choices=["off", "on"],
+        help="the Engine's compile settings, one row each (with every cpu_linear setting)",
     )
     parser.add_argument("--log", default=None, help="file for vLLM's own output (default: a temp file)")
     parser.add_argument("--vllm-worker", nargs=2, help=argparse.SUPPRESS)
@@ -312,9 +336,10 @@ def main() -> None:
                 )
             if "engine" in args.systems:
                 for cpu_linear in args.engine_cpu_linear:
-                    sides[engine_name(cpu_linear)] = EngineSide(
-                        model, requests, warmup, args.budget_tokens, used, cpu_linear
-                    )
+                    for compile in args.engine_compile:
+                        sides[engine_name(cpu_linear, compile == "on")] = EngineSide(
+                            model, requests, warmup, args.budget_tokens, used, cpu_linear, compile == "on"
+                        )
             runs = {name: [] for name in sides}
             for index in range(args.repeats):  # interleaved, so that both see the machine's load alike
                 for name in sides:

@@ -228,3 +228,21 @@ def test_malformed_lora_options_are_usage_errors_before_the_model_loads(tmp_path
         main(["serve", "/no/such/model/m", *options])  # the model path is never read
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_compile_with_tensor_parallel_ranks_is_a_usage_error_before_the_model_loads(capsys):
+    from hf_paged.serve.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "/no/such/model/m", "--compile", "--tp", "2"])  # the model path is never read
+    assert exit_info.value.code == 2
+    assert "--compile runs one process's steps; with --tp 2 leave it off (--no-compile)" in capsys.readouterr().err
+
+
+def test_compile_with_packed_cpu_linear_layers_is_a_usage_error_before_the_model_loads(capsys):
+    from hf_paged.serve.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "/no/such/model/m", "--compile", "--cpu-linear", "onednn"])
+    assert exit_info.value.code == 2
+    assert "--compile packs the linear weights itself" in capsys.readouterr().err

@@ -62,6 +62,18 @@ def test_compiled_steps_give_the_eager_engines_tokens(family, compiler, monkeypa
     assert engine.stats().compiled_steps == runner.compiled_steps
 
 
+def test_metrics_say_which_forward_ran(backend):
+    from hf_paged.serve.metrics import MetricsSnapshot, render_metrics
+
+    _, _, engine = run(tiny_model("llama"), True, prompts(4), max_new_tokens=4)
+    runner = engine.runner
+    totals = {"requests": 4, "prompt_tokens": 0, "generation_tokens": 16}
+    text = render_metrics(MetricsSnapshot.take(engine, totals, 0.0)).splitlines()
+    assert f'hf_paged_engine_steps_by_forward_total{{forward="compiled"}} {runner.compiled_steps}' in text
+    assert 'hf_paged_engine_steps_by_forward_total{forward="eager"} 1' in text
+    assert "hf_paged_compiled_graphs_total 1" in text
+
+
 def test_one_graph_serves_40_requests_of_varied_lengths(backend):
     model = tiny_model("llama")
     torch._dynamo.utils.counters.clear()
@@ -95,7 +107,9 @@ def test_a_compile_error_falls_back_to_eager_steps_with_one_warning(monkeypatch)
     assert engine.runner.disabled is not None and engine.runner.compiled_steps == 1  # the checked first step only
 
 
-def test_changed_weights_are_compiled_again(backend):
+def test_changed_weights_are_compiled_again():
+    # inductor freezes the weights into the graph: without the weights check the second call would answer with the
+    # first call's weights
     model = tiny_model("llama")
     batch = prompts(6)
     hf_paged.release_pool(model)
@@ -155,3 +169,9 @@ def test_smollm2_compiled_engine_gives_the_eager_tokens(smollm2):
             runs[compile] = [o.token_ids for o in outputs], engine.runner.compiled_steps, engine.runner.graphs
     assert runs[True][0] == runs[False][0]
     assert runs[True][1] > 20 and runs[True][2] == 1
+
+
+def test_compile_with_packed_linear_layers_is_refused_naming_both():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="compile=True with cpu_linear='onednn'"):
+        hf_paged.Engine(model, compile=True, cpu_linear="onednn")

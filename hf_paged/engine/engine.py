@@ -119,6 +119,11 @@ class Engine:
             )
         _check_cpu_linear(cpu_linear, model)
         check_compile(compile)
+        if compile and cpu_linear != "stock":
+            raise ValueError(
+                f"compile=True with cpu_linear={cpu_linear!r}: compiled steps pack the linear weights themselves "
+                "(inductor's freezing), and Dynamo cannot trace hf_paged's packed layers; choose one"
+            )
         reason = cache_not_taken(model)
         if reason is not None:
             raise NotImplementedError(f"the Engine cannot serve this model: {reason}")

@@ -16,8 +16,8 @@ the model's inputs and runs the model:
   right-aligned prefill with left pads) run eagerly. Where compiling fails (no C++ compiler for inductor, a model that
   breaks the graph), one warning names the error and every later step runs eagerly.
 
-Inductor keeps its compiled kernels in its on-disk caches (`TORCHINDUCTOR_CACHE_DIR`), so a second process compiles
-the same model faster.
+Inductor keeps its generated kernels in its on-disk caches (`TORCHINDUCTOR_CACHE_DIR`); a frozen graph is still
+traced and frozen again in every process (about a minute for SmolLM2-135M on 2 CPU cores, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 COMPILE_MODES = (True, False)
 COMPILE_BACKEND = "inductor"  # torch.compile's backend for compiled steps (tests may swap it)
+FREEZE = True  # inductor's freezing: weights folded into the graph (benchmarks/compiled_steps.py measures without)
 _COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError)
 
 
@@ -180,10 +181,7 @@ class StepRunner:
     def _build(self) -> None:
         """A new compiled forward for the model's weights as they are now (inductor's freezing folds them into the
         graph, as packed constants: the oneDNN layouts its CPU matmuls read fastest)."""
-        options = {"freezing": True} if COMPILE_BACKEND == "inductor" else None
-        self._compiled = torch.compile(
-            _fresh(_run_model), backend=COMPILE_BACKEND, fullgraph=True, dynamic=False, options=options
-        )
+        self._compiled = torch.compile(_fresh(_run_model), backend=COMPILE_BACKEND, fullgraph=True, dynamic=False)
         self._weights = self._weights_key()
 
     def _weights_key(self) -> bytes:
@@ -201,7 +199,9 @@ class StepRunner:
         graphs = _unique_graphs()
         start = time.perf_counter()
         try:
-            logits = self._compiled(self.model, self.keep_last_logits, input_ids, position_ids, last, tensors)
+            # freezing is read while inductor compiles, inside the call (torch.compile's `options` did not reach it)
+            with torch._inductor.config.patch(freezing=FREEZE):
+                logits = self._compiled(self.model, self.keep_last_logits, input_ids, position_ids, last, tensors)
         except _COMPILE_ERRORS as error:
             return self._disable(_describe(error))
         new = _unique_graphs() - graphs

@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import sys
+import time
 from pathlib import Path
 
 from ..config import parse_memory
@@ -64,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="stock",
         help="matmuls of the model's linear layers on a CPU: stock (default: torch's nn.Linear) or onednn (weights "
         "packed once for oneDNN: faster decoding on many CPUs; outputs differ from stock by float rounding)",
+    )
+    serve.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="run the engine's steps through torch.compile (inductor; compiled at start-up, about a minute for a "
+        "135M model on 2 CPU cores): about 2x the tokens/s of eager steps on a CPU, outputs differ from eager by "
+        "float rounding (default: --no-compile, the bit-exact eager steps)",
     )
     serve.add_argument(
         "--no-prefix-caching",
@@ -266,6 +275,13 @@ def check_serve_args(args) -> None:
         _check_device(args.device)
     if args.cpu_linear == "onednn":
         _check_cpu_linear(args.device)
+    if args.compile and args.cpu_linear != "stock":
+        raise UsageError(
+            f"--compile packs the linear weights itself (inductor's freezing); leave --cpu-linear {args.cpu_linear} "
+            "out of it (--cpu-linear stock)"
+        )
+    if args.compile and args.tp > 1:
+        raise UsageError(f"--compile runs one process's steps; with --tp {args.tp} leave it off (--no-compile)")
     if args.kernel not in (None, "auto", "gather"):
         _check_kernel(args.kernel, args.device, args.block_size)
     config = _check_model_path(args.model_path, args.gguf_file)
@@ -279,6 +295,16 @@ def check_serve_args(args) -> None:
     if args.max_memory is not None and shapes is not None:
         block_size = 16 if args.block_size == "auto" else args.block_size  # "auto": at least 16 (a lower bound)
         _check_memory(args.max_memory, block_size, args.dtype, shapes, args.kv_dtype or "auto")
+
+
+def _compile_now(engine) -> None:
+    """Compile the engine's steps before the first request: two short requests of one token, generated to a few
+    tokens (the first step runs eagerly, the next ones compile); logged with the time it took."""
+    start = time.perf_counter()
+    engine.generate([[engine.pad_token_id]] * 2, max_new_tokens=3)
+    runner = engine.runner
+    if runner.disabled is None:
+        logger.info("hf_paged: compiled the engine's steps in %.1f s", time.perf_counter() - start)
 
 
 def _check_kernel(name: str, device: str | None, block_size: int | str) -> None:
@@ -486,10 +512,13 @@ def serve(args) -> None:
             max_adapters=args.max_loras,
             max_rank=args.max_lora_rank,
             cpu_linear=args.cpu_linear,
+            compile=args.compile,
             **pool_options,
         )
     except ValueError as error:  # a pool the options cannot size (--max-memory below one block, ...)
         raise UsageError(str(error)) from None
+    if args.compile:
+        _compile_now(engine)
     if rank is not None:
         import torch.distributed as dist
 
