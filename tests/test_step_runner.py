@@ -175,3 +175,15 @@ def test_compile_with_packed_linear_layers_is_refused_naming_both():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="compile=True with cpu_linear='onednn'"):
         hf_paged.Engine(model, compile=True, cpu_linear="onednn")
+
+
+def test_serve_compiles_at_start_up_and_leaves_the_pool_empty(backend):
+    from hf_paged.serve.cli import _compile_now
+
+    model = tiny_model("llama")
+    hf_paged.release_pool(model)
+    engine = hf_paged.Engine(model, block_size=4, num_blocks=64, compile=True)
+    _compile_now(engine)  # what `hf-paged serve --compile` runs before it takes requests
+    assert engine.runner.graphs == 1 and engine.runner.compiled_steps >= 1
+    assert not engine.has_unfinished_requests()
+    assert engine.pool.stats().num_used == 0  # the warm-up requests gave their blocks back
