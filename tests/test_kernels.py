@@ -165,6 +165,26 @@ def test_rows_of_very_different_lengths_in_one_call():
     assert max_error(call) <= TOLERANCE[torch.float32]
 
 
+def test_auto_on_the_cpu_gathers_only_the_rows_of_more_queries_than_the_kernel_takes(monkeypatch):
+    # a decode row, a short chunk and a long prompt chunk in one call (a compiled Engine step): the kernel reads the
+    # first two in place, the long one gathers, as the "hf_paged" attention splits them; outputs in packed order
+    counts = [1, 40, kernels.AUTO_CPU_MAX_QUERIES + 30, 1]
+    query, key_cache, value_cache, tables, lengths, starts = random_call(3, [90, 60, 400, 33], counts)
+    seen = []
+    kernel = cpu.attention
+    monkeypatch.setattr(cpu, "attention", lambda q, *args: seen.append(args[3].tolist()) or kernel(q, *args))
+    scale = query.shape[-1] ** -0.5
+    got = kernels.paged_attention(query, key_cache, value_cache, tables, lengths, starts, scale=scale, window=300)
+    want = gather_paged_attention(query, key_cache, value_cache, tables, lengths, starts, scale, 300)
+    assert seen == [[90, 60, 33]]  # the in-place call's seq_lens: rows 0, 1 and 3 only
+    assert (got - want).abs().max().item() <= TOLERANCE[torch.float32]
+    seen.clear()
+    short = [1, 40, 7, 1]
+    query, key_cache, value_cache, tables, lengths, starts = random_call(3, [90, 60, 400, 33], short)
+    kernels.paged_attention(query, key_cache, value_cache, tables, lengths, starts, scale=scale)
+    assert seen == [[90, 60, 400, 33]]  # nothing too long: one in-place call
+
+
 def test_window_starting_mid_block_reads_only_the_window():
     # poison every key outside the window: a kernel that read them would change the output
     query, key_cache, value_cache, tables, lengths, starts = random_call(7, [100], [1], block_size=16)

@@ -41,6 +41,7 @@ torch.Size([3, 4, 8])
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -328,6 +329,36 @@ def paged_attention(
     choice = resolve_kernel(kernel, query.device, key_cache.shape[1])
     args = (query, key_cache, value_cache, block_tables, seq_lens, query_start, scale, window, softcap, sinks)
     backend = choice.backend_for(query, key_cache)
-    if backend is not None:
-        return in_place_backend(backend).attention(*args)
-    return gather_paged_attention(*args)
+    if backend is None:
+        return gather_paged_attention(*args)
+    in_place = in_place_backend(backend).attention
+    if choice.max_queries is None or query.device.type != "cpu":
+        return in_place(*args)
+    starts = query_start.tolist()  # on the CPU: no device read
+    counts = [end - start for start, end in zip(starts, starts[1:])]
+    if max(counts, default=0) <= choice.max_queries:
+        return in_place(*args)
+    # "auto" on the CPU: rows of more queries than the kernel takes well gather (as the "hf_paged" attention does)
+    output = torch.empty_like(query)
+    for function, rows in (
+        (in_place, [r for r, count in enumerate(counts) if count <= choice.max_queries]),
+        (gather_paged_attention, [r for r, count in enumerate(counts) if count > choice.max_queries]),
+    ):
+        if not rows:
+            continue
+        tokens = torch.tensor([t for r in rows for t in range(starts[r], starts[r + 1])])
+        row_index = torch.tensor(rows)
+        part_start = torch.tensor([0, *itertools.accumulate(counts[r] for r in rows)], dtype=query_start.dtype)
+        output[tokens] = function(
+            query.index_select(0, tokens),
+            key_cache,
+            value_cache,
+            block_tables.index_select(0, row_index),
+            seq_lens.index_select(0, row_index),
+            part_start,
+            scale,
+            window,
+            softcap,
+            sinks,
+        )
+    return output
