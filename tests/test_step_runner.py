@@ -187,3 +187,23 @@ def test_serve_compiles_at_start_up_and_leaves_the_pool_empty(backend):
     assert engine.runner.graphs == 1 and engine.runner.compiled_steps >= 1
     assert not engine.has_unfinished_requests()
     assert engine.pool.stats().num_used == 0  # the warm-up requests gave their blocks back
+
+
+def test_compiled_steps_under_preemption_prefix_reuse_and_sampling_give_the_eager_tokens(backend):
+    # a pool too small for the batch (requests preempted and recomputed), prompts sharing a prefix (blocks reused),
+    # seeded sampling: the compiled engine makes the eager engine's scheduling decisions and draws
+    model = tiny_model("llama")
+    shared = list(range(3, 23))
+    batch = [shared + prompt for prompt in prompts(12, seed=4, longest=12)]
+    params = [hf_paged.SamplingParams(max_new_tokens=16, do_sample=True, temperature=0.8, seed=i) for i in range(12)]
+    results = {}
+    for compile in (False, True):
+        hf_paged.release_pool(model)
+        engine = hf_paged.Engine(model, block_size=4, num_blocks=40, max_batch_size=8, compile=compile)
+        outputs = engine.generate(batch, params)
+        stats = engine.last_stats
+        results[compile] = [o.token_ids for o in outputs], stats.preemptions, stats.prefix_hit_rate
+        engine.pool.check_invariants()
+    assert results[True] == results[False]
+    _, preemptions, hit_rate = results[True]
+    assert preemptions > 0 and hit_rate > 0 and stats.compiled_steps > 0.8 * stats.num_steps
