@@ -31,7 +31,7 @@ class EngineStats:
         attention_kernel (`str`): the paged-attention backend the engine's attention calls (`"cpu"`: blocks read in
             place; `"gather"`: K/V copied out of them first; see `hf_paged.kernels`).
         attention_calls (`dict[str, int]`): attention calls (per layer and step) by the backend that ran them, since
-            the engine was created.
+            the engine was created; eager steps only (a compiled step's attention runs inside its graph).
         compiled_steps (`int`): steps whose forward ran compiled (`Engine(compile=True)`; the others ran eagerly).
     """
 
