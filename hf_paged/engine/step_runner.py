@@ -40,7 +40,6 @@ from ..transfer import device_tensor
 
 logger = logging.getLogger(__name__)
 
-COMPILE_MODES = (True, False)
 COMPILE_BACKEND = "inductor"  # torch.compile's backend for compiled steps (tests may swap it)
 FREEZE = True  # inductor's freezing: weights folded into the graph (benchmarks/compiled_steps.py measures without)
 _COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError)
