@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import logging
 import time
 import types
@@ -143,7 +144,7 @@ class StepRunner:
         """The step's logits from the compiled forward (its first step: eagerly under the step attention, checking
         the model), or `None` when compiling failed here (compiled steps are then disabled, with one warning)."""
         input_ids, position_ids = self._packed_inputs(step).values()
-        ends = _cumulative(step.new_tokens)
+        ends = list(itertools.accumulate(step.new_tokens))
         last = device_tensor([end - 1 for end in ends], self.device)
         tensors = self._step_tensors(step, ends)
         ops.mark_varying((input_ids, (1,)), (position_ids, (1,)), (last, (0,)), *tensors.varying())
@@ -325,11 +326,3 @@ def _fresh(function):
 
 def _unique_graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
-
-
-def _cumulative(counts: list[int]) -> list[int]:
-    total, out = 0, []
-    for count in counts:
-        total += count
-        out.append(total)
-    return out

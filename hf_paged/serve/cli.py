@@ -9,7 +9,6 @@ import os
 import re
 import signal
 import sys
-import time
 from pathlib import Path
 
 from ..config import parse_memory
@@ -299,12 +298,8 @@ def check_serve_args(args) -> None:
 
 def _compile_now(engine) -> None:
     """Compile the engine's steps before the first request: two short requests of one token, generated to a few
-    tokens (the first step runs eagerly, the next ones compile); logged with the time it took."""
-    start = time.perf_counter()
+    tokens (the first step runs eagerly, the next ones compile; the runner logs the compile time)."""
     engine.generate([[engine.pad_token_id]] * 2, max_new_tokens=3)
-    runner = engine.runner
-    if runner.disabled is None:
-        logger.info("hf_paged: compiled the engine's steps in %.1f s", time.perf_counter() - start)
 
 
 def _check_kernel(name: str, device: str | None, block_size: int | str) -> None:
