@@ -13,7 +13,7 @@ from .cache import CacheStats, PagedCache
 from .config import PagedCacheConfig
 from .engine import Engine, EngineStats, RequestOutput, SamplingParams
 from .errors import InvariantError, PoolExhaustedError, RequestTooLargeError
-from .generation import disable, enable, is_enabled
+from .generation import compiled_decode_of, disable, enable, is_enabled
 from .pool import BlockPool, get_pool, live_pools, release_pool
 from .visual import plot_pool, render_pool_text
 
@@ -36,6 +36,7 @@ __all__ = [
     "RequestOutput",
     "RequestTooLargeError",
     "SamplingParams",
+    "compiled_decode_of",
     "disable",
     "enable",
     "get_pool",

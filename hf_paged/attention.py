@@ -11,6 +11,7 @@ from .forward import bound_paged_cache
 from .kernels import in_place_backend
 from .kernels.reference import eager_paged_attention
 from .kernels.reference import repeat_kv as _repeat_kv
+from .step_attention import step_attention_forward
 
 __all__ = ["ATTENTION_NAME", "eager_paged_attention", "paged_attention_forward", "paged_attention_mask"]
 
@@ -42,6 +43,10 @@ def paged_attention_forward(
     computes in plain torch ops and returns the attention probabilities, as eager attention does; otherwise it runs
     SDPA and returns no weights.
     """
+    if kwargs.get("hf_paged_step") is not None:  # a compiled decode step: every paged tensor is an argument
+        return step_attention_forward(
+            module, query, key, value, attention_mask, scaling, dropout, softcap, s_aux, **kwargs
+        )
     if paged_cache is None:
         paged_cache = bound_paged_cache()
     reads_tables = paged_cache is not None and paged_cache.reads_tables_in_attention()

@@ -11,7 +11,7 @@ import torch
 from .allocator import tokens_per_block
 from .batch import ForwardBatch, ForwardInputs
 from .batch_cache import BatchCache
-from .config import PagedCacheConfig
+from .config import ATTENTION_NAME, PagedCacheConfig
 from .errors import RequestTooLargeError
 from .planner import ForwardPlanner, duplicate_row_leaders
 from .prompt_prefix import common_prompt_length, prompt_tokens
@@ -113,6 +113,8 @@ class PagedCache(BatchCache):
         self._prefix_reused = 0
         self._released = False
         self._finalizer = weakref.finalize(self, pool.free_rows, self._rows)
+        self.decode_table_width: int | None = None  # set while a generate call compiles its decode steps
+        self._offers_compile = False
 
     # ------------------------------------------------------------------ views
     @property
@@ -311,6 +313,41 @@ class PagedCache(BatchCache):
             pool.num_blocks,
             pool.sized_by,
         )
+
+    # ------------------------------------------------------------------ compiled decoding
+    @property
+    def is_compileable(self) -> bool:
+        """True from `compile_decode` until transformers asks for the compiled call (`decode_compile_taken`): the
+        moment `generate` decides whether to compile its decode steps. The cache's forwards then see False, so
+        `generate` hands them the 2D attention mask (the padding a paged cache never stores), not the 4D masks it
+        builds for a static cache."""
+        return self._offers_compile
+
+    def compile_decode(self, model: torch.nn.Module, max_length: int | None) -> bool:
+        """Let a `generate` call of `model` compile its decode steps, its rows holding up to `max_length` tokens (the
+        block tables the compiled step reads are padded to that many tokens' blocks, so every step of the call has
+        the same shapes); `None` ends it. Returns False where the steps cannot compile: quantized pages, or an
+        attention other than `"hf_paged"` (which reads the pages itself)."""
+        self.decode_table_width, self._offers_compile = None, False
+        if max_length is None or self.pool.storage.format.quantized:
+            return False
+        if model.config._attn_implementation != ATTENTION_NAME:
+            return False
+        self.decode_table_width = max(1, -(-max_length // self.pool.block_size))
+        self._offers_compile = True
+        return True
+
+    def decode_compile_taken(self) -> None:
+        """transformers has asked for the compiled call: stop offering (see `is_compileable`)."""
+        self._offers_compile = False
+
+    def takes_compiled_decode(self, rows: int) -> bool:
+        """Whether the coming forward of `rows` rows can run compiled: compiling is on, the cache holds those rows,
+        each past its prompt (every new token is stored), and every layer's pages are allocated."""
+        if self.decode_table_width is None or len(self._rows) != rows or not all(r.num_tokens for r in self._rows):
+            return False
+        storage = self.pool.storage
+        return all(storage.has_layer(layer) for layer in range(len(self.layers)))
 
     # ------------------------------------------------------------------ prompts and prefixes
     def start_from_prompt(

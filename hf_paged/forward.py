@@ -101,19 +101,15 @@ def inputs_beyond_token_ids(kwargs: dict, token_inputs: frozenset) -> list[str]:
     ]
 
 
-def _before_forward(module: torch.nn.Module, args: tuple, kwargs: dict):
-    cache = kwargs.get("past_key_values")
-    if not isinstance(cache, ForwardBoundCache):
-        bind_paged_cache(module, None)
-        return None
-    check_cache_kept(module)
+def forward_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> ForwardInputs:
+    """What a forward of `module` called with `args` and `kwargs` tells its paged cache before it runs."""
     reads_tables = module.config._attn_implementation == ATTENTION_NAME
     input_ids = kwargs.get("input_ids")
     if input_ids is None and args and isinstance(args[0], torch.Tensor):
         input_ids = args[0]
     shaped = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
     shape = tuple(shaped.shape[:2]) if isinstance(shaped, torch.Tensor) and shaped.dim() >= 2 else None
-    inputs = ForwardInputs(
+    return ForwardInputs(
         attention_mask=kwargs.get("attention_mask"),
         input_ids=input_ids,
         position_ids=kwargs.get("position_ids"),
@@ -122,8 +118,17 @@ def _before_forward(module: torch.nn.Module, args: tuple, kwargs: dict):
         reads_tables=reads_tables,
         beyond_token_ids=bool(inputs_beyond_token_ids(kwargs, TOKEN_INPUTS_OF_FORWARD)),
     )
+
+
+def _before_forward(module: torch.nn.Module, args: tuple, kwargs: dict):
+    cache = kwargs.get("past_key_values")
+    if not isinstance(cache, ForwardBoundCache):
+        bind_paged_cache(module, None)
+        return None
+    check_cache_kept(module)
+    inputs = forward_inputs(module, args, kwargs)
     cache.prepare_forward(module, inputs)
-    bind_paged_cache(module, cache if reads_tables else None, cache)
+    bind_paged_cache(module, cache if inputs.reads_tables else None, cache)
     return None
 
 

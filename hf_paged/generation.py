@@ -7,7 +7,9 @@
   to its own continuous batching or silently falls back to `DynamicCache`; switches the model's attention for the call
   and restores it; returns every block when the cache is not handed back to the caller.
 - `_prepare_cache_for_generation`: where `generate` builds its cache; for a paged request it builds a `PagedCache`
-  from `cache_config`.
+  from `cache_config`, and lets its decode steps compile where transformers would compile a `StaticCache`'s;
+
+and `PreTrainedModel.get_compiled_call`, which answers a paged call that compiles with the model's `CompiledDecode`.
 
 The forward hooks and the attention switch it uses live in `forward.py`.
 """
@@ -25,10 +27,12 @@ from transformers import AttentionInterface, GenerationConfig
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerationMixin
 from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import ModelOutput
 
 from .attention import paged_attention_forward, paged_attention_mask
 from .cache import PagedCache
+from .compiled_decode import CompiledDecode
 from .config import ATTENTION_NAME, PagedCacheConfig
 from .forward import (
     TOKEN_INPUTS_OF_GENERATE,
@@ -60,8 +64,12 @@ _MODES_THAT_SLICE_A_STARTED_CACHE = {
     GenerationMode.BEAM_SAMPLE,
 }
 
+# Decoding loops that run their decode steps through `get_compiled_call` when the cache is compileable
+_MODES_THAT_COMPILE = {GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE}
+
 _original_generate = GenerationMixin.generate
 _original_prepare_cache = GenerationMixin._prepare_cache_for_generation
+_original_get_compiled_call = PreTrainedModel.get_compiled_call
 _state = threading.local()
 
 
@@ -76,12 +84,14 @@ def enable() -> None:
     if not is_enabled():
         GenerationMixin.generate = _paged_generate
         GenerationMixin._prepare_cache_for_generation = _prepare_paged_cache
+        PreTrainedModel.get_compiled_call = _paged_compiled_call
 
 
 def disable() -> None:
     """Restore stock `generate` and unregister the `"hf_paged"` attention (idempotent)."""
     GenerationMixin.generate = _original_generate
     GenerationMixin._prepare_cache_for_generation = _original_prepare_cache
+    PreTrainedModel.get_compiled_call = _original_get_compiled_call
     AttentionInterface._global_mapping.pop(ATTENTION_NAME, None)
     AttentionMaskInterface._global_mapping.pop(ATTENTION_NAME, None)
 
@@ -237,7 +247,7 @@ def _generate_on_user_cache(model, cache: PagedCache, inputs, generation_config,
         implementation = paged_attention_for(
             model, cache.cache_config, _asks_for_attentions(model, generation_config, kwargs)
         )
-        with attention_implementation(model, implementation):
+        with attention_implementation(model, implementation), _compiled_decode_scope():
             return _original_generate(model, inputs, generation_config, **kwargs)
     except BaseException:
         if was_empty and not cache.is_released:
@@ -302,7 +312,7 @@ def _generate(model, inputs, generation_config, kwargs: dict):
     requests = _requests()
     requests.append(request)
     try:
-        with attention_implementation(model, implementation):
+        with attention_implementation(model, implementation), _compiled_decode_scope():
             output = _original_generate(model, inputs, generation_config, **kwargs)
     except BaseException:
         if request.cache is not None and not request.cache.is_released:
@@ -337,6 +347,8 @@ def _prepare_paged_cache(self, generation_config, model_kwargs, generation_mode,
     request = next((r for r in reversed(_requests()) if r.model is self and r.cache is None), None)
     if request is None:
         cache = model_kwargs.get("past_key_values")
+        if isinstance(cache, PagedCache):
+            _decide_compiled_decode(self, cache, generation_config, model_kwargs, generation_mode, max_cache_length)
         if isinstance(cache, PagedCache) and generation_config.cache_implementation == PAGED:
             cache._is_user_defined = True  # a paged cache continued under a generation config that asks for one
             return None
@@ -354,5 +366,60 @@ def _prepare_paged_cache(self, generation_config, model_kwargs, generation_mode,
         lookup = not _outputs_every_position(self, generation_config, {})
         request.cache.start_from_prompt(request.input_ids, request.attention_mask, lookup)
     model_kwargs["past_key_values"] = request.cache
+    _decide_compiled_decode(self, request.cache, generation_config, model_kwargs, generation_mode, max_cache_length)
     if generation_config.is_assistant:
         request.cache.activate_past_recording()
+
+
+# ---------------------------------------------------------------------- compiled decoding
+def _compiled_decodes() -> list[tuple[torch.nn.Module, PagedCache]]:
+    """The `(model, cache)` of this thread's running paged calls whose decode steps compile."""
+    if not hasattr(_state, "compiled_decodes"):
+        _state.compiled_decodes = []
+    return _state.compiled_decodes
+
+
+@contextmanager
+def _compiled_decode_scope():
+    """Caches a `generate` call let compile (`_decide_compiled_decode`) stop compiling when it returns or fails."""
+    running = _compiled_decodes()
+    depth = len(running)
+    try:
+        yield
+    finally:
+        for model, cache in running[depth:]:
+            cache.compile_decode(model, None)
+        del running[depth:]
+
+
+def _decide_compiled_decode(model, cache: PagedCache, generation_config, model_kwargs, generation_mode, max_length):
+    """Let `cache`'s decode steps compile where transformers would compile a `StaticCache`'s (its own criteria: the
+    device, `compile_config`, `disable_compile`, the quantizer, offloading) and the cache can (unquantized pages under
+    the `"hf_paged"` attention); greedy and sampling calls only (transformers compiles no other decoding loop), never
+    an assistant's."""
+    if generation_mode not in _MODES_THAT_COMPILE or generation_config.is_assistant:
+        return
+    if not cache.compile_decode(model, max_length):
+        return
+    if not model._valid_auto_compile_criteria(model_kwargs, generation_config):
+        cache.compile_decode(model, None)
+        return
+    _compiled_decodes().append((model, cache))
+
+
+def compiled_decode_of(model: torch.nn.Module) -> CompiledDecode | None:
+    """The `CompiledDecode` that runs `model`'s compiled paged decode steps (its counters), or `None` before any."""
+    return getattr(model, "_hf_paged_decode", None)
+
+
+def _paged_compiled_call(self, compile_config=None):
+    caches = [cache for model, cache in _compiled_decodes() if model is self and cache.is_compileable]
+    if not caches:
+        return _original_get_compiled_call(self, compile_config)
+    for cache in caches:
+        cache.decode_compile_taken()
+    compile_config = compile_config or self._default_compile_config()
+    decode = compiled_decode_of(self)
+    if decode is None or decode.compile_config != compile_config:
+        decode = self._hf_paged_decode = CompiledDecode(self, compile_config)
+    return decode

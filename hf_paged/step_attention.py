@@ -91,6 +91,42 @@ class StepTensors(NamedTuple):
             dims += [(slots, (0,)), (tables, (0, 1)), (lengths, (0,))]
         return dims
 
+    @classmethod
+    def of_batch(cls, cache, query_start: torch.Tensor, device: torch.device, width: int | None = None):
+        """The `StepTensors` of `cache`'s running `ForwardBatch` (planned; every layer's pages allocated), its new
+        tokens packed row after row as `query_start` says. `width`: pad every block table to that many columns
+        (static shapes for a compiled decode; the padding names each row's first live block, as past a row's end;
+        a wider table keeps its width)."""
+        batch, layout, storage = cache.forward_batch, cache.layout, cache.pool.storage
+        tables = [batch.kernel_tables(group.layers[0], device) for group in layout.groups]
+        return cls(
+            kv=tuple(storage.layer_tensors(layer) for layer in range(len(layout.layer_windows))),
+            slots=tuple(_own(addressing.write_slots.to(device)) for addressing in batch.groups),
+            block_tables=tuple(_own(_padded(table, width)) for table, _ in tables),
+            seq_lens=tuple(_own(lengths) for _, lengths in tables),
+            query_start=query_start,
+            group_of=layout.group_of,
+            windows=layout.layer_windows,
+            kernel=cache.kernel.requested,
+        )
+
+
+def _own(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, contiguous and not a view: Dynamo guards on a view's base, which the next step's tensor may lack."""
+    return (
+        tensor
+        if tensor._base is None and tensor.is_contiguous()
+        else tensor.clone(memory_format=torch.contiguous_format)
+    )
+
+
+def _padded(table: torch.Tensor, width: int | None) -> torch.Tensor:
+    """`table` with columns added up to `width` (none where it is as wide or wider), each naming the row's first
+    block."""
+    if width is None or table.shape[1] >= width:
+        return table
+    return torch.cat([table, table[:, :1].expand(-1, width - table.shape[1])], dim=1)
+
 
 def step_attention_forward(
     module: torch.nn.Module,
@@ -105,9 +141,10 @@ def step_attention_forward(
     hf_paged_step: StepTensors | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Attention registered as `"hf_paged_step"`: store this layer's new K/V (`[1, kv_heads, T, head_dim]`) in the
-    step's slots, then attend every packed query (`[1, heads, T, head_dim]`) over its row's K/V through the block
-    tables. Returns `[1, T, heads, head_dim]` and no weights."""
+    """Attention registered as `"hf_paged_step"` (and taken by `"hf_paged"` when `hf_paged_step` is passed): store
+    this layer's new K/V (`[rows, kv_heads, T, head_dim]`) in the step's slots, then attend every query (`[rows,
+    heads, T, head_dim]`: a packed step is one row of every request's tokens, a decode step one token per row) over
+    its row's K/V through the block tables. Returns `[rows, T, heads, head_dim]` and no weights."""
     step = hf_paged_step
     if step is None:
         raise RuntimeError(
@@ -122,21 +159,28 @@ def step_attention_forward(
         _calls.append(layer)
     key_cache, value_cache = step.kv[layer]
     group = step.group_of[layer]
-    ops.write_kv(key_cache, value_cache, step.slots[group], key[0].transpose(0, 1), value[0].transpose(0, 1))
+    rows, num_heads, num_new, head_dim = query.shape
+    ops.write_kv(key_cache, value_cache, step.slots[group], _packed(key), _packed(value))
     out = ops.paged_attention(
-        query[0].transpose(0, 1),
+        _packed(query),
         key_cache,
         value_cache,
         step.block_tables[group],
         step.seq_lens[group],
         step.query_start,
-        query.shape[-1] ** -0.5 if scaling is None else scaling,
+        head_dim**-0.5 if scaling is None else scaling,
         step.windows[layer],
         softcap,
         s_aux,
         step.kernel,
     )
-    return out[None], None
+    return out.view(rows, num_new, num_heads, head_dim), None
+
+
+def _packed(states: torch.Tensor) -> torch.Tensor:
+    """`[rows, heads, T, head_dim]` as `[rows * T, heads, head_dim]`, row after row."""
+    rows, heads, num_new, head_dim = states.shape
+    return states.transpose(1, 2).reshape(rows * num_new, heads, head_dim)
 
 
 def register_step_attention() -> None:

@@ -27,11 +27,11 @@ import inspect
 import itertools
 import logging
 import time
-import types
 import warnings
 
 import torch
 
+from ..compiling import COMPILE_ERRORS, describe_error, fresh_function, unique_graphs
 from ..config import ATTENTION_NAME
 from ..forward import attention_implementation
 from ..kernels import ops
@@ -43,7 +43,6 @@ logger = logging.getLogger(__name__)
 
 COMPILE_BACKEND = "inductor"  # torch.compile's backend for compiled steps (tests may swap it)
 FREEZE = True  # inductor's freezing: weights folded into the graph (benchmarks/compiled_steps.py measures without)
-_COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError)
 
 
 def check_compile(value) -> bool:
@@ -146,7 +145,8 @@ class StepRunner:
         input_ids, position_ids = self._packed_inputs(step).values()
         ends = list(itertools.accumulate(step.new_tokens))
         last = device_tensor([end - 1 for end in ends], self.device)
-        tensors = self._step_tensors(step, ends)
+        query_start = device_tensor([0, *ends], self.device, torch.int32)
+        tensors = StepTensors.of_batch(self.cache, query_start, self.device)
         ops.mark_varying((input_ids, (1,)), (position_ids, (1,)), (last, (0,)), *tensors.varying())
         register_step_attention()
         with torch.inference_mode(), attention_implementation(self.model, STEP_ATTENTION_NAME):
@@ -168,7 +168,7 @@ class StepRunner:
             try:
                 logits = _run_model(self.model, self.keep_last_logits, input_ids, position_ids, last, tensors)
             except (RuntimeError, NotImplementedError, TypeError) as error:
-                return self._disable(_describe(error))
+                return self._disable(describe_error(error))
         if sorted(calls) != layers:
             return self._disable(
                 f"{type(self.model).__name__}'s attention ran for layers {sorted(calls)} instead of each of its "
@@ -181,7 +181,9 @@ class StepRunner:
     def _build(self) -> None:
         """A new compiled forward for the model's weights as they are now (inductor's freezing folds them into the
         graph, as packed constants: the oneDNN layouts its CPU matmuls read fastest)."""
-        self._compiled = torch.compile(_fresh(_run_model), backend=COMPILE_BACKEND, fullgraph=True, dynamic=False)
+        self._compiled = torch.compile(
+            fresh_function(_run_model), backend=COMPILE_BACKEND, fullgraph=True, dynamic=False
+        )
         self._weights = self._weights_key()
 
     def _weights_key(self) -> bytes:
@@ -196,15 +198,15 @@ class StepRunner:
         if self._weights_key() != self._weights:  # trained, merged, edited or replaced since it was compiled
             logger.info("hf_paged: the model's weights changed since the Engine compiled its steps: compiling again")
             self._build()
-        graphs = _unique_graphs()
+        graphs = unique_graphs()
         start = time.perf_counter()
         try:
             # freezing is read while inductor compiles, inside the call (torch.compile's `options` did not reach it)
             with torch._inductor.config.patch(freezing=FREEZE):
                 logits = self._compiled(self.model, self.keep_last_logits, input_ids, position_ids, last, tensors)
-        except _COMPILE_ERRORS as error:
-            return self._disable(_describe(error))
-        new = _unique_graphs() - graphs
+        except COMPILE_ERRORS as error:
+            return self._disable(describe_error(error))
+        new = unique_graphs() - graphs
         if new:
             elapsed = time.perf_counter() - start
             self.graphs += new
@@ -222,25 +224,6 @@ class StepRunner:
             stacklevel=2,
         )
         return None
-
-    def _step_tensors(self, step, ends: list[int]) -> StepTensors:
-        """The step's `StepTensors`; `ends`: where every row's new tokens end in the packed step."""
-        batch, cache = step.batch, self.cache
-        layout = cache.layout
-        storage = cache.pool.storage
-        layers = range(len(layout.layer_windows))
-        first_layers = [group.layers[0] for group in layout.groups]
-        tables = [batch.kernel_tables(layer, self.device) for layer in first_layers]
-        return StepTensors(
-            kv=tuple(storage.layer_tensors(layer) for layer in layers),
-            slots=tuple(addressing.write_slots.contiguous() for addressing in batch.groups),
-            block_tables=tuple(blocks for blocks, _ in tables),
-            seq_lens=tuple(lengths for _, lengths in tables),
-            query_start=device_tensor([0, *ends], self.device, torch.int32),
-            group_of=layout.group_of,
-            windows=layout.layer_windows,
-            kernel=cache.kernel.requested,
-        )
 
     # ------------------------------------------------------------------ inputs
     def _adapters_applied(self, step, width: int):
@@ -297,16 +280,6 @@ def _run_model(model, keep_last_logits: bool, input_ids, position_ids, last, ten
     return output.logits[0].index_select(0, last)
 
 
-def _describe(error: BaseException) -> str:
-    """`error` and the errors that caused it, each as `Type: first line of its message`, outermost first."""
-    parts = []
-    while error is not None and len(parts) < 4:
-        lines = str(error).strip().splitlines()
-        parts.append(f"{type(error).__name__}: {lines[0][:200] if lines else ''}".rstrip(": "))
-        error = error.__cause__ or getattr(error, "inner_exception", None)  # BackendCompilerFailed keeps it there
-    return " <- ".join(parts)
-
-
 def _packable(step) -> bool:
     """Whether `step` can run as one packed sequence: it is packed, or right-aligned with every row storing all its
     `num_new` positions (a decode step: one token per row), whose write slots are then in packed order."""
@@ -316,13 +289,3 @@ def _packable(step) -> bool:
     return all(count == batch.num_new for count in step.new_tokens) and all(
         addressing.write_index is None for addressing in batch.groups
     )
-
-
-def _fresh(function):
-    """A copy of `function` with a code object of its own: Dynamo keeps compiled graphs (and its recompile limit)
-    per code object, so each runner's graphs stay its own however many engines a process builds."""
-    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__)
-
-
-def _unique_graphs() -> int:
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]

@@ -1,0 +1,124 @@
+"""Decode tokens/s of compiled paged `generate` vs transformers' compiled `StaticCache`, with the eager paged cache and
+`DynamicCache` beside them, measured side by side in one run; compiled paged tokens checked against eager paged ones.
+
+Compiled means transformers' own auto-compile path: `compile_config` with `_compile_all_devices = True` (on CPU
+transformers compiles only when told), the decode steps run through `model.get_compiled_call`, the prefill eagerly.
+For each (batch, context) every cache first runs one untimed call of the same shape (a compiled cache builds or
+reuses its graphs there), then `--repeats` timed calls; decode steps are timed inside the call (a stopping criterion
+notes the time after every step) and the table shows the median step. The number of graphs each compiled cache built
+in the whole run is printed at the end (the paged cache's come from `hf_paged.compiled_decode_of`).
+
+Usage: python benchmarks/compiled_decode.py [--models smollm2] [--contexts 128 1024 2048 4096] [--batches 1 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from common import environment, load_model, markdown_table
+from decode_speed import StepClock
+from transformers import CompileConfig, StoppingCriteriaList
+
+import hf_paged
+
+HEADERS = [
+    "model",
+    "batch",
+    "context",
+    "DynamicCache tok/s",
+    "paged eager tok/s",
+    "StaticCache compiled tok/s",
+    "paged compiled tok/s",
+    "paged compiled / StaticCache compiled",
+    "paged compiled / paged eager",
+    "tokens equal",
+]
+
+
+def compile_config() -> CompileConfig:
+    config = CompileConfig()
+    config._compile_all_devices = True  # transformers compiles on CUDA only unless told
+    return config
+
+
+def caches(pool_memory: str) -> dict[str, dict]:
+    paged = {"cache_implementation": "paged", "cache_config": {"max_memory": pool_memory}}
+    return {
+        "DynamicCache": {},
+        "paged eager": paged,
+        "StaticCache compiled": {"cache_implementation": "static", "compile_config": compile_config()},
+        "paged compiled": {**paged, "compile_config": compile_config()},
+    }
+
+
+def decode(model, input_ids, new_tokens: int, options: dict) -> tuple[list[float], torch.Tensor]:
+    """Seconds of every decode step of one greedy call of exactly `new_tokens` tokens, and its tokens."""
+    clock = StepClock()
+    output = model.generate(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        do_sample=False,
+        min_new_tokens=new_tokens,
+        max_new_tokens=new_tokens,
+        pad_token_id=0,
+        stopping_criteria=StoppingCriteriaList([clock]),
+        **options,
+    )
+    return [b - a for a, b in zip(clock.times, clock.times[1:])], output
+
+
+def measure(model, batch: int, context: int, new_tokens: int, repeats: int, pool_memory: str):
+    generator = torch.Generator().manual_seed(batch * 10_000 + context)
+    input_ids = torch.randint(3, model.config.vocab_size, (batch, context), generator=generator)
+    options = caches(pool_memory)
+    tokens = {name: decode(model, input_ids, new_tokens, option)[1] for name, option in options.items()}  # untimed
+    steps = {name: [] for name in options}
+    for _ in range(repeats):
+        for name, option in options.items():
+            steps[name].extend(decode(model, input_ids, new_tokens, option)[0])
+    speed = {name: batch / statistics.median(times) for name, times in steps.items()}
+    return speed, torch.equal(tokens["paged compiled"], tokens["paged eager"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["smollm2"], choices=["tiny", "smollm2"])
+    parser.add_argument("--contexts", nargs="+", type=int, default=[128, 1024, 2048, 4096])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--pool-memory", default="4GiB")
+    args = parser.parse_args()
+    print(environment() + "\n")
+
+    rows = []
+    for name in args.models:
+        model, label = load_model(name)
+        graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        for batch in args.batches:
+            for context in args.contexts:
+                speed, equal = measure(model, batch, context, args.new_tokens, args.repeats, args.pool_memory)
+                rows.append(
+                    [
+                        label,
+                        batch,
+                        context,
+                        *(f"{speed[header.removesuffix(' tok/s')]:.1f}" for header in HEADERS[3:7]),
+                        f"{speed['paged compiled'] / speed['StaticCache compiled']:.2f}x",
+                        f"{speed['paged compiled'] / speed['paged eager']:.2f}x",
+                        "yes" if equal else "NO",
+                    ]
+                )
+                print(markdown_table(HEADERS, rows[-1:]).splitlines()[-1], flush=True)
+        decode_graphs = hf_paged.compiled_decode_of(model)
+        paged_graphs = 0 if decode_graphs is None else decode_graphs.graphs
+        total = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
+        print(f"{label}: graphs compiled: paged {paged_graphs}, StaticCache {total - paged_graphs}", flush=True)
+    print()
+    print(markdown_table(HEADERS, rows))
+
+
+if __name__ == "__main__":
+    main()

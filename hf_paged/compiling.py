@@ -1,0 +1,31 @@
+"""Helpers shared by hf_paged's compiled forwards (the Engine's steps, `generate`'s decode): the errors that mean
+"no compiler works here", a one-line description of them, per-caller code objects and Dynamo's graph counter."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError)
+
+
+def describe_error(error: BaseException) -> str:
+    """`error` and the errors that caused it, each as `Type: first line of its message`, outermost first."""
+    parts = []
+    while error is not None and len(parts) < 4:
+        lines = str(error).strip().splitlines()
+        parts.append(f"{type(error).__name__}: {lines[0][:200] if lines else ''}".rstrip(": "))
+        error = error.__cause__ or getattr(error, "inner_exception", None)  # BackendCompilerFailed keeps it there
+    return " <- ".join(parts)
+
+
+def fresh_function(function):
+    """A copy of `function` with a code object of its own: Dynamo keeps compiled graphs (and its recompile limit)
+    per code object, so each caller's graphs stay its own however many models or engines a process builds."""
+    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__)
+
+
+def unique_graphs() -> int:
+    """Graphs Dynamo has compiled in this process so far."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
