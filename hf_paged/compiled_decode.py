@@ -98,7 +98,8 @@ class CompiledDecode:
         input_ids, position_ids = inputs["input_ids"], inputs["position_ids"]
         cache.prepare_forward(self.model, forward_inputs(self.model, (), inputs))
         try:
-            logits, compiled = self._logits(cache, input_ids, position_ids)
+            with torch.inference_mode():  # no autograd layer around the custom ops' calls
+                logits, compiled = self._logits(cache, input_ids, position_ids)
         except BaseException:
             cache.forward_failed()
             raise
