@@ -3,10 +3,13 @@
 
 Compiled means transformers' own auto-compile path: `compile_config` with `_compile_all_devices = True` (on CPU
 transformers compiles only when told), the decode steps run through `model.get_compiled_call`, the prefill eagerly.
-For each (batch, context) every cache first runs one untimed call of the same shape (a compiled cache builds or
-reuses its graphs there), then `--repeats` timed calls; decode steps are timed inside the call (a stopping criterion
+For each (batch, context) Dynamo's graphs are dropped (`torch._dynamo.reset()`) and every cache first runs one untimed
+call of the same shape (a compiled cache builds its graph there: a static graph for that shape, stock's best case),
+then `--repeats` timed calls; decode steps are timed inside the call (a stopping criterion
 notes the time after every step) and the table shows the median step. The number of graphs each compiled cache built
-in the whole run is printed at the end (the paged cache's come from `hf_paged.compiled_decode_of`).
+in the whole run is printed at the end (the paged cache's come from `hf_paged.compiled_decode_of`). `--keep-graphs`
+keeps Dynamo's graphs from shape to shape instead, as one process calling `generate` on varied shapes does: the paged
+cache keeps its one graph, while transformers' compiled `StaticCache` call recompiles with dynamic sizes.
 
 Usage: python benchmarks/compiled_decode.py [--models smollm2] [--contexts 128 1024 2048 4096] [--batches 1 8]
 """
@@ -22,6 +25,7 @@ from decode_speed import StepClock
 from transformers import CompileConfig, StoppingCriteriaList
 
 import hf_paged
+from hf_paged.compiling import unique_graphs
 
 HEADERS = [
     "model",
@@ -69,7 +73,10 @@ def decode(model, input_ids, new_tokens: int, options: dict) -> tuple[list[float
     return [b - a for a, b in zip(clock.times, clock.times[1:])], output
 
 
-def measure(model, batch: int, context: int, new_tokens: int, repeats: int, pool_memory: str):
+def measure(model, batch: int, context: int, new_tokens: int, repeats: int, pool_memory: str, fresh: bool):
+    if fresh:
+        torch._dynamo.reset()
+        model.__dict__.pop("_compiled_call", None)  # transformers' compiled forward of the model
     generator = torch.Generator().manual_seed(batch * 10_000 + context)
     input_ids = torch.randint(3, model.config.vocab_size, (batch, context), generator=generator)
     options = caches(pool_memory)
@@ -90,16 +97,19 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--pool-memory", default="4GiB")
+    parser.add_argument("--keep-graphs", action="store_true", help="keep Dynamo's graphs from shape to shape")
     args = parser.parse_args()
     print(environment() + "\n")
 
     rows = []
     for name in args.models:
         model, label = load_model(name)
-        graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        graphs_before = unique_graphs()
         for batch in args.batches:
             for context in args.contexts:
-                speed, equal = measure(model, batch, context, args.new_tokens, args.repeats, args.pool_memory)
+                speed, equal = measure(
+                    model, batch, context, args.new_tokens, args.repeats, args.pool_memory, not args.keep_graphs
+                )
                 rows.append(
                     [
                         label,
@@ -114,7 +124,7 @@ def main() -> None:
                 print(markdown_table(HEADERS, rows[-1:]).splitlines()[-1], flush=True)
         decode_graphs = hf_paged.compiled_decode_of(model)
         paged_graphs = 0 if decode_graphs is None else decode_graphs.graphs
-        total = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
+        total = unique_graphs() - graphs_before
         print(f"{label}: graphs compiled: paged {paged_graphs}, StaticCache {total - paged_graphs}", flush=True)
     print()
     print(markdown_table(HEADERS, rows))

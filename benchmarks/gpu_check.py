@@ -14,10 +14,11 @@ kernels 13 s, exactness 10 s, decode 75 s with one timed run a shape, serving 93
    greedy and beam search. fp32: `ok` only if the tokens are equal. bf16: tokens may differ (reported), the verdict
    is on the first step's scores, `ok` when their max abs difference is within `BF16_SCORES_TOLERANCE` (2e-2).
 3. **decode**: decode tokens/s of a random-weight Llama (`--layers`, `--hidden`; bf16) at batch 1/8/32 x context
-   512..8192: paged (`kernel="auto"`) vs `DynamicCache` vs `StaticCache` (which `generate` compiles on CUDA by itself),
+   512..8192: paged (`kernel="auto"`; its decode steps compiled, as `generate` compiles them on CUDA by itself, and
+   eager with `disable_compile=True`) vs `DynamicCache` vs `StaticCache` (which `generate` compiles too),
    each timed over `--repeats` more `generate`s of the shape after an untimed one (which compiles and allocates):
    the median tokens/s, and the peak CUDA memory the runs added to the weights (cache, activations). Verdict:
-   paged's speed over DynamicCache's, no pass/fail.
+   paged's speed over DynamicCache's and StaticCache's, no pass/fail.
 4. **serving**: the Engine vs `generate_batch` (transformers' continuous batching, flash-attn 2 where installed,
    else SDPA) on the ShareGPT-like workload of benchmarks/engine_throughput.py: tokens/s, peak memory. Verdict: the
    Engine's speed over generate_batch's, no pass/fail.
@@ -320,7 +321,12 @@ def decode_part(args) -> Iterator[Cells]:
                 "cache_implementation": "paged",
                 "cache_config": {"block_size": args.block_size, "num_blocks": tokens // args.block_size + 4 * batch},
             }
-            systems = {"paged": paged, "DynamicCache": {}, "StaticCache": {"cache_implementation": "static"}}
+            systems = {  # on CUDA generate compiles the paged and the static cache's decode steps by itself
+                "paged": paged,
+                "paged eager": {**paged, "disable_compile": True},
+                "DynamicCache": {},
+                "StaticCache": {"cache_implementation": "static"},
+            }
             rates, cells = {}, []
             for system, options in systems.items():
                 try:
@@ -334,7 +340,10 @@ def decode_part(args) -> Iterator[Cells]:
                     cells.append(f"{system} out of memory")
                 if DEVICE == "cuda":
                     torch.cuda.empty_cache()
-            verdict = speed_ratio("paged", rates.get("paged"), "DynamicCache", rates.get("DynamicCache"))
+            verdict = "; ".join(
+                speed_ratio("paged", rates.get("paged"), baseline, rates.get(baseline))
+                for baseline in ("DynamicCache", "StaticCache")
+            )
             yield f"batch {batch}, context {context}", "; ".join(cells), verdict
 
 

@@ -83,7 +83,7 @@ def attach_to_model(model: torch.nn.Module) -> None:
     if getattr(model, "_hf_paged_hook", None) is None:
         model._hf_paged_hook = (
             model.register_forward_pre_hook(_before_forward, with_kwargs=True),
-            model.register_forward_hook(_after_forward, always_call=True),
+            model.register_forward_hook(_after_forward, with_kwargs=True, always_call=True),
         )
 
 
@@ -122,6 +122,10 @@ def forward_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> Forwar
 
 def _before_forward(module: torch.nn.Module, args: tuple, kwargs: dict):
     cache = kwargs.get("past_key_values")
+    if torch.compiler.is_compiling() and not isinstance(cache, ForwardBoundCache):
+        # a compiled stock call (transformers compiling a StaticCache's decode): nothing paged runs in it, and the
+        # per-thread binding would break its graph at every forward
+        return None
     if not isinstance(cache, ForwardBoundCache):
         bind_paged_cache(module, None)
         return None
@@ -132,7 +136,9 @@ def _before_forward(module: torch.nn.Module, args: tuple, kwargs: dict):
     return None
 
 
-def _after_forward(module: torch.nn.Module, args: tuple, output) -> None:
+def _after_forward(module: torch.nn.Module, args: tuple, kwargs: dict, output) -> None:
+    if torch.compiler.is_compiling() and not isinstance(kwargs.get("past_key_values"), ForwardBoundCache):
+        return  # see `_before_forward`
     prepared = unbind_paged_cache(module)
     if prepared is None:
         return

@@ -13,6 +13,7 @@ from transformers import GenerationConfig
 
 import hf_paged
 from hf_paged import Engine
+from hf_paged.engine.prompts import sampling_params
 from hf_paged.engine.scheduler import Step
 from hf_paged.reference_models import tiny_model
 
@@ -652,8 +653,9 @@ def test_sampling_without_top_k_uses_generates_default(model):
         stock = model.generate(torch.tensor([prompt]), do_sample=True, max_new_tokens=8, min_new_tokens=8)
         [output] = engine.generate([prompt], do_sample=True, max_new_tokens=8, min_new_tokens=8, seed=seed)
         assert output.token_ids == stock[0, len(prompt) :].tolist()
-    assert engine._params(None, {"do_sample": True}).top_k == 50
-    assert engine._params(hf_paged.SamplingParams(do_sample=True), {}).top_k == 0  # SamplingParams' own default
+    defaults = model.generation_config
+    assert sampling_params(None, {"do_sample": True}, defaults).top_k == 50
+    assert sampling_params(hf_paged.SamplingParams(do_sample=True), {}, defaults).top_k == 0  # SamplingParams' own
 
 
 @pytest.mark.parametrize(

@@ -130,4 +130,4 @@ def test_engine_memory_is_flat_over_thousands_of_requests():
     latency = engine.latency  # bounded too: fixed buckets
     assert latency.e2e_request_latency.count >= finished > MEASURED_REQUESTS // 2
     assert latency.time_to_first_token.count >= latency.e2e_request_latency.count
-    assert len(engine._ttfts.values) == 1024 and engine.stats().p90_ttft_s is not None
+    assert len(engine.recorder._ttfts.values) == 1024 and engine.stats().p90_ttft_s is not None

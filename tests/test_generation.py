@@ -13,6 +13,7 @@ from transformers import (
 )
 from transformers.generation.utils import GenerationMixin
 from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import PreTrainedModel
 
 import hf_paged
 from hf_paged import PagedCache, get_pool
@@ -293,10 +294,12 @@ def test_disable_restores_stock_generate_and_enable_is_idempotent(llama):
         assert not hf_paged.is_enabled()
         assert "hf_paged" not in AttentionMaskInterface._global_mapping
         assert GenerationMixin.generate is hf_paged.generation._original_generate
+        assert PreTrainedModel.get_compiled_call is hf_paged.generation._original_get_compiled_call
     finally:
         hf_paged.enable()
         hf_paged.enable()
     assert hf_paged.is_enabled() and GenerationMixin.generate.__wrapped__ is hf_paged.generation._original_generate
+    assert PreTrainedModel.get_compiled_call is hf_paged.generation._paged_compiled_call
     input_ids = torch.randint(3, 128, (1, 5))
     out = llama.generate(
         input_ids=input_ids, max_new_tokens=3, min_new_tokens=3, pad_token_id=0, cache_implementation="paged"

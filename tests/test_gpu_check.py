@@ -70,8 +70,9 @@ def test_every_part_runs_on_tiny_cpu_shapes_into_one_table():
     assert len(fp32_exactness) >= 4 and all(verdict == "ok" for verdict in fp32_exactness)  # 2 models x 2 searches
     decode = by_part["decode"][1:-1]
     assert [case for case, _, _ in decode] == ["batch 1, context 16", "batch 2, context 16"]
-    assert all(result.count(" tok/s (") == 3 for _, result, _ in decode)  # paged, DynamicCache, StaticCache
-    assert all(re.fullmatch(r"paged \d+\.\d\dx DynamicCache", verdict) for _, _, verdict in decode)
+    assert all(result.count(" tok/s (") == 4 for _, result, _ in decode)  # paged, paged eager, Dynamic, Static
+    verdict = r"paged \d+\.\d\dx DynamicCache; paged \d+\.\d\dx StaticCache"
+    assert all(re.fullmatch(verdict, found) for _, _, found in decode)
     (engine, engine_result, _), (baseline, _, ratio) = by_part["serving"][1:-1]
     assert engine.startswith("hf_paged Engine (kernel ") and " tok/s, " in engine_result
     assert baseline.startswith("generate_batch (") and re.fullmatch(r"Engine \d+\.\d\dx generate_batch", ratio)

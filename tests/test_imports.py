@@ -118,8 +118,8 @@ def test_a_cycle_through_a_lazy_import_is_found(tmp_path):
 
 
 def test_the_public_surface_is_what_users_call():
-    """`hf_paged.__all__`: the cache, the pool and its allocator, the options, the Engine, the errors, pictures and
-    the switch; plumbing stays in its module."""
+    """`hf_paged.__all__`: the cache, the pool and its allocator, the options, the Engine, the errors, pictures, the
+    switch and the compiled decode's counters; plumbing stays in its module."""
     assert sorted(hf_paged.__all__) == sorted(
         [
             *("PagedCache", "CacheStats", "PagedCacheConfig"),
@@ -128,6 +128,7 @@ def test_the_public_surface_is_what_users_call():
             *("PoolExhaustedError", "RequestTooLargeError", "InvariantError"),
             *("render_pool_text", "plot_pool"),
             *("enable", "disable", "is_enabled"),
+            "compiled_decode_of",  # the counters of compiled paged generate
         ]
     )
     assert all(hasattr(hf_paged, name) for name in hf_paged.__all__)

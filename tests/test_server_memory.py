@@ -18,7 +18,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from hf_paged import Engine
-from hf_paged.engine import engine as engine_module
+from hf_paged.engine import recorder as recorder_module
 from hf_paged.engine.stats import Reservoir
 from hf_paged.reference_models import smollm2_path, tiny_model
 from hf_paged.serve import replies
@@ -99,7 +99,7 @@ def test_prompts_are_tokenized_on_one_thread(monkeypatch):
 @pytest.mark.slow
 def test_server_memory_is_flat_over_thousands_of_requests(monkeypatch):
     monkeypatch.setattr(replies, "TOKEN_CACHE_SIZE", 64)
-    monkeypatch.setattr(engine_module, "Reservoir", functools.partial(Reservoir, size=64))
+    monkeypatch.setattr(recorder_module, "Reservoir", functools.partial(Reservoir, size=64))
     loop, app = tiny_app()
     rng = random.Random(26)
 

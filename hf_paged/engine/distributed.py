@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 
 from ..pool import PoolStats
-from .engine import Engine, Prompt, as_prompt_list
+from .engine import Engine
 from .params import SamplingParams
+from .prompts import Prompt, as_prompt_list
 from .request import RequestOutput
 from .routing import OutputRouter
 from .stats import EngineStats

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import operator
 import sys
 import threading
 import time
@@ -20,15 +19,23 @@ from ..forward import EAGER, own_attention, paged_attention_for
 from ..planner import ForwardPlanner
 from ..support import cache_not_taken, check_cache_kept, prompt_learning_method
 from .params import SamplingParams
+from .prompts import (
+    Prompt,
+    as_prompt_list,
+    check_stop_strings,
+    masked_pad,
+    per_prompt,
+    prompt_token_ids,
+    sampling_params,
+)
+from .recorder import StatsRecorder
 from .request import Request, RequestOutput, RequestStatus
 from .routing import OutputRouter
 from .sampler import next_tokens, token_logprobs
 from .scheduler import Scheduler, Step
-from .stats import EngineStats, LatencyHistograms, Reservoir, percentile
+from .stats import EngineStats, LatencyHistograms
 from .step_runner import StepRunner, check_compile
 from .text import TextTracker
-
-Prompt = str | Sequence[int]
 
 
 class Engine:
@@ -162,8 +169,7 @@ class Engine:
         self._router = OutputRouter()  # each generate/stream call's outputs go to it, whoever steps
         self._last_stats: EngineStats | None = None  # of the last generate
         self._stepped_since_last_stats = False  # steps ran since (stream, or the caller driving step())
-        self.latency = LatencyHistograms()  # since the engine was created: what /metrics shows
-        self.adapter_counts: dict[str | None, dict[str, int]] = {}  # per adapter (None: base), never reset
+        self.recorder = StatsRecorder()
         self.reset_stats()
         for name, source in (adapters or {}).items():
             self.load_adapter(name, source)
@@ -222,15 +228,15 @@ class Engine:
         `frequency_penalty`, `presence_penalty`, `logit_bias`, `logprobs`) over `generation_config` (default: the
         model's).
         """
-        params = self._params(generation_config, options)
+        params = sampling_params(generation_config, options, self.model.generation_config)
         bad_bias = [token for token, _ in params.logit_bias if token >= self.vocab_size]
         if bad_bias:
             raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size}), got {bad_bias[:5]}")
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise ValueError(f"logprobs must be at most the vocabulary size {self.vocab_size}, got {params.logprobs}")
-        prompt_ids = self._prompt_ids(prompt)
+        prompt_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size, self.max_context)
         if params.stop:
-            _check_stop_strings(params.stop, self.tokenizer)
+            check_stop_strings(params.stop, self.tokenizer)
         generator = None
         if params.do_sample:
             if params.seed is None:
@@ -297,27 +303,28 @@ class Engine:
     @property
     def num_steps(self) -> int:
         """Forwards run since the last `reset_stats()` (cheap, unlike `stats()`)."""
-        return self._counters["steps"]
+        return self.recorder.counters["steps"]
 
     @property
     def step_counts(self) -> dict[str, int]:
         """Since the last `reset_stats()` (cheap): forwards by kind (`prefill`, `decode`, `mixed`), positions the
         model computed, and pad positions among them."""
-        c = self._counters
-        return {
-            "prefill": c["prefill_steps"],
-            "decode": c["decode_steps"],
-            "mixed": c["mixed_steps"],
-            "positions": c["positions_computed"],
-            "pads": c["pad_positions"],
-        }
+        return self.recorder.step_counts
 
     @property
     def prefix_hit_rate(self) -> float:
         """Share of admitted prompt tokens taken from the prefix cache since the last `reset_stats()` (cheap)."""
-        counters = self._counters
-        reused, admitted = counters["prefix_tokens_reused"], counters["admitted_tokens"]
-        return reused / admitted if admitted else 0.0
+        return self.recorder.prefix_hit_rate
+
+    @property
+    def latency(self) -> LatencyHistograms:
+        """Latency histograms since the engine was created (what `/metrics` shows)."""
+        return self.recorder.latency
+
+    @property
+    def adapter_counts(self) -> dict[str | None, dict[str, int]]:
+        """Finished requests, prompt and generated tokens per adapter (`None`: the base model), never reset."""
+        return self.recorder.adapter_counts
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
@@ -340,27 +347,19 @@ class Engine:
             if step is not None:
                 changed += self._run(step)
                 self._stepped_since_last_stats = True
-            self._last_step_time = time.perf_counter()
+            self.recorder.last_step_time = time.perf_counter()
             outputs = []
             for request in dict.fromkeys(changed):
                 outputs.append(request.output())
                 if request.finished:
-                    self._account_finished(request)
+                    self.recorder.finished(request)
                     self._requests.pop(request.request_id, None)
             self._release_unused_adapters()
             return self._router.route(outputs)
 
     def _run(self, step: Step) -> list[Request]:
         """Run `step`; returns the requests that got a token (a prompt chunk short of the end gets none)."""
-        now = time.perf_counter()
-        for request in step.admitted:
-            if request.admission_time is None:  # its first admission (a preempted request was admitted before)
-                request.admission_time = now
-                self.latency.request_queue_time.observe(now - request.arrival_time)
-        self._counters["admitted_tokens"] += sum(r.num_tokens for r in step.admitted)
-        self._counters["prefix_tokens_reused"] += sum(  # a step's blocks are taken: its chunk is in the rows
-            r.row.num_tokens - count for r, count in zip(step.requests, step.new_tokens) if r in step.admitted
-        )
+        self.recorder.admitted(step, time.perf_counter())
         try:
             logits = self._forward(step)
             done = [i for i, r in enumerate(step.requests) if r.row.num_tokens == r.num_tokens]
@@ -375,9 +374,7 @@ class Engine:
             for request in step.requests:
                 self.scheduler.finish(request, "error", f"{type(error).__name__}: {error}")
             raise
-        self._counters["steps"] += 1
-        self._counters[f"{step.kind}_steps"] += 1
-        latency = self.latency
+        self.recorder.stepped(step)
         for request, token, logprob in zip(sampled, tokens, logprobs):
             previous = request.last_token_time
             try:
@@ -387,10 +384,7 @@ class Engine:
                     request, "error", f"decoding token {token} failed: {type(error).__name__}: {error}"
                 )
                 continue
-            if previous is None:
-                latency.time_to_first_token.observe(request.first_token_time - request.arrival_time)
-            else:
-                latency.inter_token_latency.observe(request.last_token_time - previous)
+            self.recorder.token(request, previous)
             reason = self._finish_reason(request, token)
             if reason is not None:
                 self.scheduler.finish(request, reason)
@@ -400,9 +394,7 @@ class Engine:
         self.cache.run(step.batch)
         compiled = self.runner.compiled_steps
         logits, positions = self.runner.forward(step, self._implementation)
-        self._counters["compiled_steps"] += self.runner.compiled_steps - compiled
-        self._counters["positions_computed"] += positions
-        self._counters["pad_positions"] += positions - sum(step.new_tokens)
+        self.recorder.forward(step, positions, self.runner.compiled_steps > compiled)
         return logits
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
@@ -431,7 +423,7 @@ class Engine:
         reason). `generation_config` may be one config for all prompts or one per prompt; `options` apply to all.
         A request that can never fit in the pool finishes alone with `finish_reason="error"`."""
         prompts = as_prompt_list(prompts, self.masked_pad(generation_config, options))
-        configs = _per_prompt(generation_config, len(prompts))
+        configs = per_prompt(generation_config, len(prompts))
         self.reset_stats()
         ids = self._add_all(prompts, configs, options)
         try:
@@ -465,7 +457,7 @@ class Engine:
         """Like `generate`, but yields each request's incremental output (`new_token_ids`, `new_text`) as steps
         produce it. Closing the iterator early aborts the requests not yet finished."""
         prompts = as_prompt_list(prompts, self.masked_pad(generation_config, options))
-        configs = _per_prompt(generation_config, len(prompts))
+        configs = per_prompt(generation_config, len(prompts))
         pending = set(self._add_all(prompts, configs, options))
         try:
             yield from self._collect(pending)
@@ -473,17 +465,9 @@ class Engine:
             self._forget(pending)  # the caller stopped listening: nobody needs their final report
 
     def masked_pad(self, generation_config, options: dict) -> int | None:
-        """The pad token `generate` masks in a tensor of token ids given without an attention mask: the config's
-        `pad_token_id`, unless it is also an end-of-sequence token (then `generate` cannot tell pads apart)."""
-        config = generation_config if isinstance(generation_config, GenerationConfig) else self.model.generation_config
-        pad = config.pad_token_id
-        eos = options.get("eos_token_id")
-        if eos is None:
-            eos = getattr(generation_config, "eos_token_id", None)
-        if eos is None:
-            eos = config.eos_token_id
-        eos = [] if eos is None else [eos] if _is_token(eos) else list(eos)
-        return None if pad is None or pad in eos else pad
+        """The pad token `generate` masks in a tensor of token ids given without an attention mask (see
+        `prompts.masked_pad`)."""
+        return masked_pad(generation_config, options, self.model.generation_config)
 
     def _add_all(self, prompts: list, configs: list, options: dict) -> list[str]:
         """Queue every prompt, or none: a bad prompt or option leaves nothing of the call queued."""
@@ -505,7 +489,7 @@ class Engine:
                     continue
                 if not request.finished:
                     self.scheduler.finish(request, "abort")
-                self._account_finished(request)
+                self.recorder.finished(request)
 
     def _drive(self, ids: list[str], progress: bool | None) -> dict[str, RequestOutput]:
         from tqdm.auto import tqdm
@@ -527,73 +511,18 @@ class Engine:
     # ------------------------------------------------------------------ stats and shutdown
     def reset_stats(self) -> None:
         with self._lock:
-            self._counters = dict.fromkeys(
-                (
-                    "num_requests",
-                    "prompt_tokens",
-                    "generated_tokens",
-                    "steps",
-                    "prefill_steps",
-                    "decode_steps",
-                    "admitted_tokens",
-                    "prefix_tokens_reused",
-                    "mixed_steps",
-                    "positions_computed",
-                    "pad_positions",
-                    "compiled_steps",
-                ),
-                0,
-            )
-            self._ttfts = Reservoir()  # bounded: a long-running engine keeps a sample, not every request's
-            self._ttft_sum = 0.0
-            self._preemptions_at_reset = self.scheduler.num_preemptions
-            self._start_time = self._last_step_time = time.perf_counter()
+            self.recorder.reset(self.scheduler.num_preemptions)
             self.pool.reset_peak()
 
     def stats(self) -> EngineStats:
         """Counters since the last `reset_stats()` (see `EngineStats`)."""
         with self._lock:
-            c = self._counters
-            elapsed = max(self._last_step_time - self._start_time, 1e-9)
-            return EngineStats(
-                num_requests=c["num_requests"],
-                prompt_tokens=c["prompt_tokens"],
-                generated_tokens=c["generated_tokens"],
-                elapsed_s=elapsed,
-                requests_per_s=c["num_requests"] / elapsed,
-                tokens_per_s=c["generated_tokens"] / elapsed,
-                mean_ttft_s=self._ttft_sum / self._ttfts.count if self._ttfts.count else None,
-                p90_ttft_s=percentile(self._ttfts.values, 0.9),
-                num_steps=c["steps"],
-                prefill_steps=c["prefill_steps"],
-                decode_steps=c["decode_steps"],
-                mixed_steps=c["mixed_steps"],
-                positions_computed=c["positions_computed"],
-                pad_positions=c["pad_positions"],
-                preemptions=self.scheduler.num_preemptions - self._preemptions_at_reset,
-                peak_blocks=self.pool.stats().peak_used,
-                prefix_hit_rate=self.prefix_hit_rate,
-                attention_kernel=self.cache.kernel.backend,
-                attention_calls=dict(self.cache.attention_calls),
-                compiled_steps=c["compiled_steps"],
+            return self.recorder.snapshot(
+                self.scheduler.num_preemptions,
+                self.pool.stats().peak_used,
+                self.cache.kernel.backend,
+                dict(self.cache.attention_calls),
             )
-
-    def _account_finished(self, request: Request) -> None:
-        counts = self.adapter_counts.setdefault(
-            request.adapter_name, {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0}
-        )
-        counts["requests"] += 1
-        counts["prompt_tokens"] += len(request.prompt_token_ids)
-        counts["generated_tokens"] += len(request.output_token_ids)
-        self._counters["num_requests"] += 1
-        self._counters["prompt_tokens"] += len(request.prompt_token_ids)
-        self._counters["generated_tokens"] += len(request.output_token_ids)
-        if request.first_token_time is not None:
-            ttft = request.first_token_time - request.arrival_time
-            self._ttfts.add(ttft)
-            self._ttft_sum += ttft
-        if request.finish_reason in ("stop", "length") and request.finish_time is not None:
-            self.latency.e2e_request_latency.observe(request.finish_time - request.arrival_time)
 
     def close(self) -> None:
         """Abort every request and return all blocks to the pool."""
@@ -614,55 +543,11 @@ class Engine:
         self.close()
 
     # ------------------------------------------------------------------ input checks
-    def _params(self, generation_config, options: dict) -> SamplingParams:
-        if isinstance(generation_config, SamplingParams):
-            return SamplingParams.from_generation_config(None, **{**_fields(generation_config), **options})
-        config = generation_config if generation_config is not None else self.model.generation_config
-        return SamplingParams.from_generation_config(config, **options)
-
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, Mapping):  # a tokenizer's output (apply_chat_template's)
-            prompts = _encoded_prompts(prompt)
-            if len(prompts) != 1:
-                raise ValueError(f"one prompt was expected, got a tokenizer output of {len(prompts)}")
-            prompt = prompts[0]
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("string prompts need a tokenizer: Engine(model, tokenizer)")
-            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        elif hasattr(prompt, "ndim") and hasattr(prompt, "tolist"):  # a torch tensor or a numpy array
-            if prompt.ndim > 2 or (prompt.ndim == 2 and prompt.shape[0] != 1):
-                raise ValueError(
-                    f"a prompt tensor must be 1-D or [1, length], got shape {tuple(prompt.shape)} (several prompts: "
-                    "add them one by one, or pass the tensor to generate)"
-                )
-            ids = prompt.reshape(-1).tolist()
-        elif isinstance(prompt, Sequence):
-            if any(isinstance(t, Mapping) and "role" in t for t in prompt):
-                raise ValueError(f"got chat messages: {CHAT_TEMPLATE_HINT}")
-            ids = [operator.index(t) if _is_token(t) else t for t in prompt]  # numpy integers are token ids too
-        else:
-            raise ValueError(f"a prompt must be a string or a sequence of token ids, got {type(prompt).__name__}")
-        bad = out_of_vocabulary(ids, self.vocab_size)
-        if bad:
-            raise ValueError(f"token ids must be ints in [0, {self.vocab_size}), got {bad[:5]}")
-        if not ids:
-            raise ValueError("the prompt is empty; a request needs at least one token")
-        if self.max_context is not None and len(ids) >= self.max_context:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens; the model's context window is {self.max_context} tokens"
-            )
-        return ids
 
 
 def _has_adapter_layers(model: torch.nn.Module) -> bool:
     tuners = sys.modules.get("peft.tuners.tuners_utils")  # not imported: no adapter layer can exist
     return tuners is not None and any(isinstance(m, tuners.BaseTunerLayer) for m in model.modules())
-
-
-def out_of_vocabulary(token_ids, vocab_size: int) -> list:
-    """The entries of `token_ids` that are no token id of a `vocab_size` vocabulary (not an int, or out of range)."""
-    return [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
 
 
 def _pad_token_id(model, tokenizer) -> int:
@@ -671,96 +556,6 @@ def _pad_token_id(model, tokenizer) -> int:
         if isinstance(value, int):
             return value
     return 0
-
-
-def _fields(params: SamplingParams) -> dict:
-    return {name: getattr(params, name) for name in params.__dataclass_fields__}
-
-
-CHAT_TEMPLATE_HINT = (
-    "apply the chat template first, e.g. tokenizer.apply_chat_template(messages, add_generation_prompt=True)"
-)
-
-
-def _check_stop_strings(stop: tuple[str, ...], tokenizer) -> None:
-    """Refuse stop strings without a tokenizer, and those holding a special token's text: the text they are
-    searched in skips special tokens (end on such a token with `eos_token_id` instead)."""
-    if tokenizer is None:
-        raise ValueError(f"stop strings {list(stop)} need a tokenizer: Engine(model, tokenizer)")
-    specials = set(getattr(tokenizer, "all_special_tokens", ()))
-    specials |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
-    for text in stop:
-        for special in sorted(specials):
-            if special and special in text:
-                token_id = tokenizer.convert_tokens_to_ids(special)
-                raise ValueError(
-                    f"stop string {text!r} holds the special token {special!r} (id {token_id}), which the text stop "
-                    f"strings are searched in never shows (special tokens are skipped); end on it with "
-                    f"eos_token_id={token_id} instead"
-                )
-
-
-def as_prompt_list(prompts, masked_pad: int | None = None) -> list:
-    """One prompt (a string, token ids, a 1-D tensor or array) or several (a list of them, a 2-D tensor or array,
-    a tokenizer's output) as a list of prompts. A 2-D tensor or array holding `masked_pad` loses those positions,
-    as `generate` masks them when it is given no attention mask."""
-    if isinstance(prompts, Mapping):
-        return _encoded_prompts(prompts)
-    if hasattr(prompts, "ndim") and hasattr(prompts, "tolist"):  # a torch tensor or a numpy array
-        if prompts.ndim not in (1, 2):
-            raise ValueError(f"a tensor of prompts must be 1-D or 2-D, got shape {tuple(prompts.shape)}")
-        if prompts.ndim == 1:
-            return [prompts.tolist()]
-        rows = prompts.tolist()
-        if masked_pad is not None and any(masked_pad in row for row in rows):
-            rows = [[token for token in row if token != masked_pad] for row in rows]
-        return rows
-    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and _is_token(prompts[0])):
-        return [prompts]
-    if not isinstance(prompts, Sequence) or not prompts:
-        raise ValueError(
-            f"prompts must be a string, token ids, a tensor, or a non-empty list of these, got {prompts!r:.80}"
-        )
-    return list(prompts)
-
-
-def _encoded_prompts(encoding: Mapping) -> list[list[int]]:
-    """The prompts of a tokenizer's output (a `BatchEncoding`, as `apply_chat_template` returns, or a dict): its
-    `input_ids`, one prompt or a batch, without the positions its `attention_mask` marks as padding."""
-    if "input_ids" not in encoding:
-        if "role" in encoding:
-            raise ValueError(f"got a chat message: {CHAT_TEMPLATE_HINT}")
-        raise ValueError(f"a mapping of prompts needs input_ids (a tokenizer's output), got keys {sorted(encoding)}")
-    ids, mask = encoding["input_ids"], encoding.get("attention_mask")
-    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-    mask = mask.tolist() if hasattr(mask, "tolist") else mask
-    if ids and _is_token(ids[0]):  # one prompt
-        ids, mask = [ids], None if mask is None else [mask]
-    if mask is None:
-        return ids
-    return [[token for token, keep in zip(row, keep_row) if keep] for row, keep_row in zip(ids, mask)]
-
-
-def _is_token(value) -> bool:
-    """Whether `value` is one token id (an int, a numpy integer or a 0-d integer tensor; not a bool)."""
-    if isinstance(value, bool | float):
-        return False
-    try:
-        operator.index(value)
-    except TypeError:
-        return False
-    return True
-
-
-def _per_prompt(generation_config, count: int) -> list:
-    if isinstance(generation_config, Sequence) and not isinstance(generation_config, str):
-        if len(generation_config) != count:
-            raise ValueError(f"{len(generation_config)} generation configs for {count} prompts")
-        return list(generation_config)
-    return [generation_config] * count
-
-
-__all__ = ["Engine", "RequestStatus"]
 
 
 def _check_cpu_linear(cpu_linear, model: torch.nn.Module) -> None:
@@ -775,3 +570,6 @@ def _check_cpu_linear(cpu_linear, model: torch.nn.Module) -> None:
             f"cpu_linear='onednn' needs torch's oneDNN CPU matmul, which torch {torch.__version__} here lacks; use "
             "cpu_linear='stock'"
         )
+
+
+__all__ = ["Engine", "RequestStatus"]

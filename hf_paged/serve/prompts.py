@@ -4,7 +4,7 @@ from a worker thread."""
 
 from __future__ import annotations
 
-from ..engine.engine import out_of_vocabulary
+from ..engine.prompts import out_of_vocabulary
 from .errors import APIError
 
 
