@@ -21,8 +21,8 @@ import statistics
 
 import torch
 from common import environment, load_model, markdown_table
-from decode_speed import StepClock
-from transformers import CompileConfig, StoppingCriteriaList
+from decode_speed import StepClock, greedy_decode
+from transformers import CompileConfig
 
 import hf_paged
 from hf_paged.compiling import unique_graphs
@@ -60,16 +60,7 @@ def caches(pool_memory: str) -> dict[str, dict]:
 def decode(model, input_ids, new_tokens: int, options: dict) -> tuple[list[float], torch.Tensor]:
     """Seconds of every decode step of one greedy call of exactly `new_tokens` tokens, and its tokens."""
     clock = StepClock()
-    output = model.generate(
-        input_ids=input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        do_sample=False,
-        min_new_tokens=new_tokens,
-        max_new_tokens=new_tokens,
-        pad_token_id=0,
-        stopping_criteria=StoppingCriteriaList([clock]),
-        **options,
-    )
+    output = greedy_decode(model, input_ids, new_tokens, options, clock)
     return [b - a for a, b in zip(clock.times, clock.times[1:])], output
 
 

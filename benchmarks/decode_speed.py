@@ -46,9 +46,10 @@ class StepClock(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
-def greedy_decode(model, input_ids, new_tokens: int, options: dict, clock: StepClock) -> None:
-    """One greedy `generate` call of exactly `new_tokens` tokens with `options`, `clock` called after every step."""
-    model.generate(
+def greedy_decode(model, input_ids, new_tokens: int, options: dict, clock: StepClock) -> torch.Tensor:
+    """One greedy `generate` call of exactly `new_tokens` tokens with `options`, `clock` called after every step;
+    returns its tokens."""
+    return model.generate(
         input_ids=input_ids,
         attention_mask=torch.ones_like(input_ids),
         do_sample=False,

@@ -34,7 +34,14 @@ import warnings
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .compiling import COMPILE_ERRORS, describe_error, fresh_function, unique_graphs
+from .compiling import (
+    COMPILE_ERRORS,
+    FIRST_STEP_ERRORS,
+    describe_error,
+    fresh_function,
+    unattended_layers,
+    unique_graphs,
+)
 from .forward import forward_inputs
 from .kernels import ops
 from .step_attention import StepTensors, count_attention_calls
@@ -159,14 +166,14 @@ class CompiledDecode:
 
     def _first_step(self, input_ids, position_ids, no_mask, tensors: StepTensors) -> torch.Tensor | None:
         """The first step, eagerly through the compiled path's code, checking that every layer attended once."""
-        layers = list(range(len(tensors.windows)))
         with count_attention_calls() as calls:
-            logits = _decode_forward(self.model, input_ids, position_ids, no_mask, tensors)
-        if sorted(calls) != layers:
-            return self._disable(
-                f"{type(self.model).__name__}'s attention ran for layers {sorted(calls)} instead of each of its "
-                f"{len(layers)} layers once (it does not route every layer through the registered attention)"
-            )
+            try:
+                logits = _decode_forward(self.model, input_ids, position_ids, no_mask, tensors)
+            except FIRST_STEP_ERRORS as error:
+                return self._disable(describe_error(error))
+        reason = unattended_layers(self.model, calls, len(tensors.windows))
+        if reason is not None:
+            return self._disable(reason)
         self._checked = True
         return logits
 

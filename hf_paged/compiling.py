@@ -1,5 +1,6 @@
 """Helpers shared by hf_paged's compiled forwards (the Engine's steps, `generate`'s decode): the errors that mean
-"no compiler works here", a one-line description of them, per-caller code objects and Dynamo's graph counter."""
+"no compiler works here", a one-line description of them, per-caller code objects, Dynamo's graph counter, and the
+check that every layer of a model attends through the step attention."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import types
 import torch
 
 COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError)
+# what the first, eager step of a compiled forward may raise for a model the step attention cannot serve
+FIRST_STEP_ERRORS = (RuntimeError, NotImplementedError, TypeError)
 
 
 def describe_error(error: BaseException) -> str:
@@ -29,3 +32,15 @@ def fresh_function(function):
 def unique_graphs() -> int:
     """Graphs Dynamo has compiled in this process so far."""
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def unattended_layers(model, calls: list[int], num_layers: int) -> str | None:
+    """Why a compiled step cannot serve `model`, whose layers attended `calls` (layer indices, in a step run eagerly
+    under the step attention): `None` when each of its `num_layers` layers attended exactly once (a layer that did
+    not would have stored nothing)."""
+    if sorted(calls) == list(range(num_layers)):
+        return None
+    return (
+        f"{type(model).__name__}'s attention ran for layers {sorted(calls)} instead of each of its {num_layers} layers "
+        "once (it does not route every layer through the registered attention)"
+    )

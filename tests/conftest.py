@@ -80,3 +80,16 @@ def left_padded_batch(lengths: list[int], vocab_size: int = 128, seed: int = 0, 
         input_ids[row, width - length :] = torch.randint(3, vocab_size, (length,), generator=generator)
         attention_mask[row, width - length :] = 1
     return input_ids, attention_mask
+
+
+def drop_step_tensors(model, layer: int = 1) -> None:
+    """Make `model`'s layer `layer` drop the `hf_paged_step` keyword argument before its attention, as a model that
+    drops what it does not know would: compiled steps must notice and run eagerly."""
+    attention = model.model.layers[layer].self_attn
+    forward = attention.forward
+
+    def without_kwargs(hidden_states, position_embeddings, attention_mask, **kwargs):
+        kwargs.pop("hf_paged_step", None)
+        return forward(hidden_states, position_embeddings, attention_mask, **kwargs)
+
+    attention.forward = without_kwargs

@@ -15,7 +15,7 @@ from transformers import CompileConfig, DynamicCache, StoppingCriteria, Stopping
 import hf_paged
 from hf_paged.reference_models import tiny_model
 
-from .conftest import left_padded_batch
+from .conftest import drop_step_tensors, left_padded_batch
 
 LOGIT_TOLERANCE = 1e-4  # fp32, tiny models: inductor's fused and reordered sums move logits by ~1e-7
 POOL = {"block_size": 4, "num_blocks": 256, "attn_implementation": "hf_paged"}
@@ -92,7 +92,7 @@ def test_negative_control_a_decode_step_that_drops_the_left_padding_changes_the_
 
     monkeypatch.setattr(step_attention.StepTensors, "of_batch", classmethod(with_every_row_as_long_as_the_longest))
     _, compiled_logits = generate(model, input_ids, attention_mask, "aot_eager")
-    assert largest_difference(compiled_logits, logits) > 1e-2
+    assert not torch.allclose(compiled_logits, logits, atol=1e-2)  # (pad slots may hold anything: NaN included)
 
 
 def test_sampling_and_returned_sequences_give_the_eager_draws():
@@ -156,14 +156,7 @@ def test_a_compile_error_falls_back_to_eager_steps_with_one_warning():
 
 def test_a_model_that_does_not_pass_its_kwargs_to_attention_decodes_eagerly():
     model = tiny_model("llama")
-    attention = model.model.layers[1].self_attn
-    forward = attention.forward
-
-    def without_kwargs(hidden_states, position_embeddings, attention_mask, **kwargs):
-        kwargs.pop("hf_paged_step", None)  # as a model that drops what it does not know
-        return forward(hidden_states, position_embeddings, attention_mask, **kwargs)
-
-    attention.forward = without_kwargs
+    drop_step_tensors(model)
     input_ids, attention_mask = left_padded_batch([9, 5])
     tokens, _ = generate(model, input_ids, attention_mask)
     with pytest.warns(RuntimeWarning, match=r"ran for layers \[0\] instead of each of its 2 layers"):

@@ -14,6 +14,8 @@ import hf_paged
 import hf_paged.engine.step_runner as step_runner
 from hf_paged.reference_models import tiny_model
 
+from .conftest import drop_step_tensors
+
 LOGPROB_TOLERANCE = 1e-4  # fp32, tiny models: inductor's fused and reordered sums move log-probs by ~1e-6
 
 
@@ -134,14 +136,7 @@ def test_steps_the_compiled_forward_does_not_take_run_eagerly(backend):
 
 def test_a_model_that_does_not_pass_its_kwargs_to_attention_runs_eagerly(backend):
     model = tiny_model("llama")
-    attention = model.model.layers[1].self_attn
-    forward = attention.forward
-
-    def without_kwargs(hidden_states, position_embeddings, attention_mask, **kwargs):
-        kwargs.pop("hf_paged_step", None)  # as a model that drops what it does not know
-        return forward(hidden_states, position_embeddings, attention_mask, **kwargs)
-
-    attention.forward = without_kwargs
+    drop_step_tensors(model)
     batch = prompts(6)
     tokens, _, _ = run(model, False, batch)
     with pytest.warns(RuntimeWarning, match="compiled steps are off") as caught:

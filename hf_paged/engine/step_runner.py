@@ -31,7 +31,14 @@ import warnings
 
 import torch
 
-from ..compiling import COMPILE_ERRORS, describe_error, fresh_function, unique_graphs
+from ..compiling import (
+    COMPILE_ERRORS,
+    FIRST_STEP_ERRORS,
+    describe_error,
+    fresh_function,
+    unattended_layers,
+    unique_graphs,
+)
 from ..config import ATTENTION_NAME
 from ..forward import attention_implementation
 from ..kernels import ops
@@ -163,17 +170,14 @@ class StepRunner:
     def _first_step(self, input_ids, position_ids, last, tensors) -> torch.Tensor:
         """Run the first step eagerly under the step attention, checking that every layer attended exactly once
         through it (a layer that did not would have stored nothing), then build the compiled forward."""
-        layers = list(range(len(tensors.windows)))
         with count_attention_calls() as calls:
             try:
                 logits = _run_model(self.model, self.keep_last_logits, input_ids, position_ids, last, tensors)
-            except (RuntimeError, NotImplementedError, TypeError) as error:
+            except FIRST_STEP_ERRORS as error:
                 return self._disable(describe_error(error))
-        if sorted(calls) != layers:
-            return self._disable(
-                f"{type(self.model).__name__}'s attention ran for layers {sorted(calls)} instead of each of its "
-                f"{len(layers)} layers once (it does not route every layer through the registered attention)"
-            )
+        reason = unattended_layers(self.model, calls, len(tensors.windows))
+        if reason is not None:
+            return self._disable(reason)
         self._checked = True
         self._build()
         return logits
