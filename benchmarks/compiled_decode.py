@@ -3,13 +3,12 @@
 
 Compiled means transformers' own auto-compile path: `compile_config` with `_compile_all_devices = True` (on CPU
 transformers compiles only when told), the decode steps run through `model.get_compiled_call`, the prefill eagerly.
-For each (batch, context) Dynamo's graphs are dropped (`torch._dynamo.reset()`) and every cache first runs one untimed
-call of the same shape (a compiled cache builds its graph there: a static graph for that shape, stock's best case),
-then `--repeats` timed calls; decode steps are timed inside the call (a stopping criterion
-notes the time after every step) and the table shows the median step. The number of graphs each compiled cache built
-in the whole run is printed at the end (the paged cache's come from `hf_paged.compiled_decode_of`). `--keep-graphs`
-keeps Dynamo's graphs from shape to shape instead, as one process calling `generate` on varied shapes does: the paged
-cache keeps its one graph, while transformers' compiled `StaticCache` call recompiles with dynamic sizes.
+Each (batch, context) runs in a process of its own (a static graph for that shape: stock's best case), where every
+cache first runs one untimed call of the shape (a compiled cache builds its graph there), then `--repeats` timed
+calls; decode steps are timed inside the call (a stopping criterion notes the time after every step) and the table
+shows the median step and the graphs each compiled cache built. `--in-process` runs every shape in one process
+instead, as a program calling `generate` on varied shapes does: the paged cache keeps its one graph, while
+transformers' compiled `StaticCache` recompiles with dynamic sizes (measured far slower at batch 8 on this CPU).
 
 Usage: python benchmarks/compiled_decode.py [--models smollm2] [--contexts 128 1024 2048 4096] [--batches 1 8]
 """
@@ -17,7 +16,10 @@ Usage: python benchmarks/compiled_decode.py [--models smollm2] [--contexts 128 1
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
 
 import torch
 from common import environment, load_model, markdown_table
@@ -38,6 +40,7 @@ HEADERS = [
     "paged compiled / StaticCache compiled",
     "paged compiled / paged eager",
     "tokens equal",
+    "graphs (paged, StaticCache)",
 ]
 
 
@@ -64,20 +67,47 @@ def decode(model, input_ids, new_tokens: int, options: dict) -> tuple[list[float
     return [b - a for a, b in zip(clock.times, clock.times[1:])], output
 
 
-def measure(model, batch: int, context: int, new_tokens: int, repeats: int, pool_memory: str, fresh: bool):
-    if fresh:
-        torch._dynamo.reset()
-        model.__dict__.pop("_compiled_call", None)  # transformers' compiled forward of the model
+def measure(model, batch: int, context: int, new_tokens: int, repeats: int, pool_memory: str) -> dict:
+    """Tokens/s of every cache at one shape, whether compiled paged tokens equal eager paged ones, and the graphs
+    each compiled cache built meanwhile."""
     generator = torch.Generator().manual_seed(batch * 10_000 + context)
     input_ids = torch.randint(3, model.config.vocab_size, (batch, context), generator=generator)
     options = caches(pool_memory)
+    graphs = unique_graphs()
+    decode_before = hf_paged.compiled_decode_of(model)
+    paged_before = 0 if decode_before is None else decode_before.graphs
     tokens = {name: decode(model, input_ids, new_tokens, option)[1] for name, option in options.items()}  # untimed
     steps = {name: [] for name in options}
     for _ in range(repeats):
         for name, option in options.items():
             steps[name].extend(decode(model, input_ids, new_tokens, option)[0])
-    speed = {name: batch / statistics.median(times) for name, times in steps.items()}
-    return speed, torch.equal(tokens["paged compiled"], tokens["paged eager"])
+    paged_graphs = hf_paged.compiled_decode_of(model).graphs - paged_before
+    return {
+        "speed": {name: batch / statistics.median(times) for name, times in steps.items()},
+        "equal": torch.equal(tokens["paged compiled"], tokens["paged eager"]),
+        "graphs": [paged_graphs, unique_graphs() - graphs - paged_graphs],
+    }
+
+
+def measure_in_a_process(name: str, batch: int, context: int, args) -> dict:
+    command = [sys.executable, __file__, "--models", name, "--shape", str(batch), str(context)]
+    command += ["--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--pool-memory", args.pool_memory]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def row(label: str, batch: int, context: int, result: dict) -> list:
+    speed = result["speed"]
+    return [
+        label,
+        batch,
+        context,
+        *(f"{speed[header.removesuffix(' tok/s')]:.1f}" for header in HEADERS[3:7]),
+        f"{speed['paged compiled'] / speed['StaticCache compiled']:.2f}x",
+        f"{speed['paged compiled'] / speed['paged eager']:.2f}x",
+        "yes" if result["equal"] else "NO",
+        "{}, {}".format(*result["graphs"]),
+    ]
 
 
 def main() -> None:
@@ -88,35 +118,28 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--pool-memory", default="4GiB")
-    parser.add_argument("--keep-graphs", action="store_true", help="keep Dynamo's graphs from shape to shape")
+    parser.add_argument("--in-process", action="store_true", help="every shape in this process, one after another")
+    parser.add_argument("--shape", nargs=2, type=int, help=argparse.SUPPRESS)  # one shape, its result as JSON
     args = parser.parse_args()
-    print(environment() + "\n")
-
+    if args.shape is not None:
+        model, label = load_model(args.models[0])
+        result = measure(model, *args.shape, args.new_tokens, args.repeats, args.pool_memory)
+        print(json.dumps({**result, "label": label}))
+        return
+    print(environment() + ("; every shape in one process" if args.in_process else "; each shape in its own process"))
+    print()
     rows = []
     for name in args.models:
-        model, label = load_model(name)
-        graphs_before = unique_graphs()
+        model, label = load_model(name) if args.in_process else (None, name)
         for batch in args.batches:
             for context in args.contexts:
-                speed, equal = measure(
-                    model, batch, context, args.new_tokens, args.repeats, args.pool_memory, not args.keep_graphs
-                )
-                rows.append(
-                    [
-                        label,
-                        batch,
-                        context,
-                        *(f"{speed[header.removesuffix(' tok/s')]:.1f}" for header in HEADERS[3:7]),
-                        f"{speed['paged compiled'] / speed['StaticCache compiled']:.2f}x",
-                        f"{speed['paged compiled'] / speed['paged eager']:.2f}x",
-                        "yes" if equal else "NO",
-                    ]
-                )
+                if args.in_process:
+                    result = measure(model, batch, context, args.new_tokens, args.repeats, args.pool_memory)
+                else:
+                    result = measure_in_a_process(name, batch, context, args)
+                    label = result["label"]
+                rows.append(row(label, batch, context, result))
                 print(markdown_table(HEADERS, rows[-1:]).splitlines()[-1], flush=True)
-        decode_graphs = hf_paged.compiled_decode_of(model)
-        paged_graphs = 0 if decode_graphs is None else decode_graphs.graphs
-        total = unique_graphs() - graphs_before
-        print(f"{label}: graphs compiled: paged {paged_graphs}, StaticCache {total - paged_graphs}", flush=True)
     print()
     print(markdown_table(HEADERS, rows))
 
