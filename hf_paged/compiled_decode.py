@@ -27,8 +27,6 @@ states asked for, quantized pages, training mode) runs eagerly.
 
 from __future__ import annotations
 
-import logging
-import time
 import warnings
 
 import torch
@@ -37,16 +35,14 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .compiling import (
     COMPILE_ERRORS,
     FIRST_STEP_ERRORS,
+    counting_graphs,
     describe_error,
     fresh_function,
     unattended_layers,
-    unique_graphs,
 )
 from .forward import forward_inputs
 from .kernels import ops
 from .step_attention import StepTensors, count_attention_calls
-
-logger = logging.getLogger(__name__)
 
 # the inputs `generate` passes a decode step that the compiled path takes (any other tensor input runs eagerly)
 _TAKEN_INPUTS = frozenset(
@@ -150,18 +146,11 @@ class CompiledDecode:
             return self._first_step(input_ids, position_ids, no_mask, tensors), False
         # rows and table width vary between calls (not within one): one graph serves them all
         ops.mark_varying((input_ids, (0,)), (position_ids, (0,)), (no_mask, (0,)), *tensors.varying())
-        graphs = unique_graphs()
-        start = time.perf_counter()
         try:
-            logits = self._compiled(self.model, input_ids, position_ids, no_mask, tensors)
+            with counting_graphs(self, "generate's paged decode step"):
+                logits = self._compiled(self.model, input_ids, position_ids, no_mask, tensors)
         except COMPILE_ERRORS as error:
             return self._disable(describe_error(error)), True
-        new = unique_graphs() - graphs
-        if new:
-            elapsed = time.perf_counter() - start
-            self.graphs += new
-            self.compile_s += elapsed
-            logger.info("hf_paged: compiled generate's paged decode step in %.1f s (graph %d)", elapsed, self.graphs)
         return logits, True
 
     def _first_step(self, input_ids, position_ids, no_mask, tensors: StepTensors) -> torch.Tensor | None:

@@ -4,9 +4,14 @@ check that every layer of a model attends through the step attention."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import time
 import types
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError)
 # what the first, eager step of a compiled forward may raise for a model the step attention cannot serve
@@ -32,6 +37,20 @@ def fresh_function(function):
 def unique_graphs() -> int:
     """Graphs Dynamo has compiled in this process so far."""
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@contextlib.contextmanager
+def counting_graphs(owner, what: str):
+    """Around a compiled call of `owner` (which has `graphs` and `compile_s`): the graphs it compiled are added to
+    `owner.graphs`, the call's seconds to `owner.compile_s` when it compiled any, in one INFO line naming `what`."""
+    graphs, start = unique_graphs(), time.perf_counter()
+    yield
+    new = unique_graphs() - graphs
+    if new:
+        elapsed = time.perf_counter() - start
+        owner.graphs += new
+        owner.compile_s += elapsed
+        logger.info("hf_paged: compiled %s in %.1f s (graph %d)", what, elapsed, owner.graphs)
 
 
 def unattended_layers(model, calls: list[int], num_layers: int) -> str | None:

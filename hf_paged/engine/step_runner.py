@@ -26,7 +26,6 @@ import contextlib
 import inspect
 import itertools
 import logging
-import time
 import warnings
 
 import torch
@@ -34,10 +33,10 @@ import torch
 from ..compiling import (
     COMPILE_ERRORS,
     FIRST_STEP_ERRORS,
+    counting_graphs,
     describe_error,
     fresh_function,
     unattended_layers,
-    unique_graphs,
 )
 from ..config import ATTENTION_NAME
 from ..forward import attention_implementation
@@ -202,20 +201,12 @@ class StepRunner:
         if self._weights_key() != self._weights:  # trained, merged, edited or replaced since it was compiled
             logger.info("hf_paged: the model's weights changed since the Engine compiled its steps: compiling again")
             self._build()
-        graphs = unique_graphs()
-        start = time.perf_counter()
         try:
             # freezing is read while inductor compiles, inside the call (torch.compile's `options` did not reach it)
-            with torch._inductor.config.patch(freezing=FREEZE):
+            with torch._inductor.config.patch(freezing=FREEZE), counting_graphs(self, "the Engine's step forward"):
                 logits = self._compiled(self.model, self.keep_last_logits, input_ids, position_ids, last, tensors)
         except COMPILE_ERRORS as error:
             return self._disable(describe_error(error))
-        new = unique_graphs() - graphs
-        if new:
-            elapsed = time.perf_counter() - start
-            self.graphs += new
-            self.compile_s += elapsed
-            logger.info("hf_paged: compiled the Engine's step forward in %.1f s (graph %d)", elapsed, self.graphs)
         return logits
 
     def _disable(self, reason: str) -> None:
