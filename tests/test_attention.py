@@ -276,7 +276,9 @@ def test_engine_packed_steps_split_between_the_kernel_and_gather():
 
     model = tiny_model("llama")
     long = AUTO_CPU_MAX_QUERIES + 40  # its prompt chunk is wider than the kernel takes under "auto"
-    engine = hf_paged.Engine(model, block_size=4, num_blocks=512, progress=False, max_prefill_tokens=long + 64)
+    engine = hf_paged.Engine(
+        model, block_size=4, num_blocks=512, progress=False, max_prefill_tokens=long + 64, exact=True
+    )
     prompts = [[5 + i] * length for i, length in enumerate([3, long, 7, 2, 25])]
     outputs = engine.generate(prompts, [hf_paged.SamplingParams(max_new_tokens=6, eos_token_id=())] * 5)
     calls = engine.cache.attention_calls

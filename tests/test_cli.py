@@ -246,3 +246,27 @@ def test_compile_with_packed_cpu_linear_layers_is_a_usage_error_before_the_model
         main(["serve", "/no/such/model/m", "--compile", "--cpu-linear", "onednn"])
     assert exit_info.value.code == 2
     assert "--compile packs the linear weights itself" in capsys.readouterr().err
+
+
+def test_compile_defaults_to_auto_and_exact_to_off():
+    parse = build_parser().parse_args
+    assert (parse(["serve", "m"]).compile, parse(["serve", "m"]).exact) == (None, False)  # None: Engine's "auto"
+    assert parse(["serve", "m", "--compile"]).compile is True
+    assert parse(["serve", "m", "--no-compile"]).compile is False
+    assert parse(["serve", "m", "--exact"]).exact is True
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--exact", "--compile"], "--exact runs the eager steps, bit-exact with generate; --compile runs compiled"),
+        (["--exact", "--cpu-linear", "onednn"], "--exact keeps the model's own linear layers; --cpu-linear onednn"),
+    ],
+)
+def test_exact_with_an_inexact_option_is_a_usage_error_before_the_model_loads(options, message, capsys):
+    from hf_paged.serve.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "/no/such/model/m", *options])  # the model path is never read
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

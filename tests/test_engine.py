@@ -59,7 +59,7 @@ def workload(model):
 @pytest.mark.parametrize("num_blocks", [512, 40], ids=["roomy-pool", "pool-too-small"])
 def test_greedy_matches_generate_alone(model, workload, num_blocks):
     prompts, news, expected = workload
-    engine = Engine(model, block_size=4, num_blocks=num_blocks)
+    engine = Engine(model, block_size=4, num_blocks=num_blocks, exact=True)
     ids = [engine.add_request(p, max_new_tokens=n, min_new_tokens=n) for p, n in zip(prompts, news)]
     finals = drive(engine)
     assert [finals[i].token_ids for i in ids] == expected
@@ -81,7 +81,7 @@ def test_chunked_prefill_matches_generate_alone(model, workload, max_prefill_tok
     prompts, news, expected = workload
     options = {"block_size": 4, "num_blocks": 512, "prefix_caching": False}  # every prompt token is computed
     budgets = {"max_prefill_tokens": max_prefill_tokens, "max_num_batched_tokens": max_num_batched_tokens}
-    engine = Engine(model, max_batch_size=25, **budgets, **options)
+    engine = Engine(model, max_batch_size=25, **budgets, **options, exact=True)
     ids = [engine.add_request(prompts[0], max_new_tokens=news[0], min_new_tokens=news[0])]
     engine.step()  # the others arrive while the first decodes
     ids += [engine.add_request(p, max_new_tokens=n, min_new_tokens=n) for p, n in zip(prompts[1:24], news[1:])]
@@ -93,7 +93,9 @@ def test_chunked_prefill_matches_generate_alone(model, workload, max_prefill_tok
         step_sizes.append(engine.stats().positions_computed - before)
         engine.pool.check_invariants()
     assert [finals[i].token_ids for i in ids] == expected[:24]
-    [solo] = Engine(model, **options).generate([prompts[0]], max_new_tokens=10, do_sample=True, top_k=20, seed=5)
+    [solo] = Engine(model, **options, exact=True).generate(
+        [prompts[0]], max_new_tokens=10, do_sample=True, top_k=20, seed=5
+    )
     assert finals[sampled].token_ids == solo.token_ids
     stats = engine.stats()
     chunk = min(max_prefill_tokens, max_num_batched_tokens)
@@ -120,7 +122,7 @@ def step_kind(engine: Engine, before) -> str:
 )
 def test_chunks_of_a_long_prompt_run_with_decode_steps(model, attention, expected):
     options = {"attn_implementation": attention, "prefix_caching": False}  # every chunk computed, in both runs
-    engine = Engine(model, block_size=4, num_blocks=256, max_prefill_tokens=8, **options)
+    engine = Engine(model, block_size=4, num_blocks=256, max_prefill_tokens=8, **options, exact=True)
     short = engine.add_request([5, 6, 7], max_new_tokens=30)
     engine.step()  # short is prefilled and decodes from now on
     engine.add_request(list(range(3, 43)), max_new_tokens=4)  # 40 tokens: 5 chunks of 8
@@ -155,7 +157,7 @@ class UnplacedEngine(Engine):
 
 def test_negative_control_unplaced_packed_tokens_change_outputs(model, workload):
     prompts, news, expected = workload
-    engine = UnplacedEngine(model, block_size=4, num_blocks=512, prefix_caching=False)  # its K/V are wrong
+    engine = UnplacedEngine(model, block_size=4, num_blocks=512, prefix_caching=False, exact=True)  # its K/V are wrong
     outputs = engine.generate(prompts[:16], max_new_tokens=8, min_new_tokens=8)
     assert engine.last_stats.pad_positions == 0  # the steps were packed
     assert [o.token_ids for o in outputs] != [e[:8] for e in expected[:16]]
@@ -163,14 +165,16 @@ def test_negative_control_unplaced_packed_tokens_change_outputs(model, workload)
 
 def test_negative_control_unmasked_pads_change_outputs(model, workload):
     prompts, news, expected = workload
-    engine = UnmaskedEngine(model, block_size=4, num_blocks=512, attn_implementation="sdpa", prefix_caching=False)
+    engine = UnmaskedEngine(
+        model, block_size=4, num_blocks=512, attn_implementation="sdpa", prefix_caching=False, exact=True
+    )
     outputs = engine.generate(prompts[:16], max_new_tokens=8, min_new_tokens=8)
     assert [o.token_ids for o in outputs] != [e[:8] for e in expected[:16]]
 
 
 def test_generate_returns_outputs_in_input_order(model, workload):
     prompts, news, expected = workload
-    engine = Engine(model, block_size=8, num_blocks=256)
+    engine = Engine(model, block_size=8, num_blocks=256, exact=True)
     eos = model.generation_config.eos_token_id
     configs = [GenerationConfig(max_new_tokens=n, min_new_tokens=n, eos_token_id=eos) for n in news[:10]]
     outputs = engine.generate(prompts[:10], configs)
@@ -189,7 +193,7 @@ def test_sampling_with_a_seed_ignores_the_rest_of_the_batch(model, workload):
         "max_new_tokens": 12,
         "eos_token_id": 2,
     }
-    engine = Engine(model, block_size=4, num_blocks=256)
+    engine = Engine(model, block_size=4, num_blocks=256, exact=True)
     [solo] = engine.generate([prompts[0]], seed=1234, **options)
     crowd = engine.generate(
         prompts[:12], [hf_paged.SamplingParams(seed=1234 if i == 0 else i, **options) for i in range(12)]
@@ -202,7 +206,7 @@ def test_sampling_with_a_seed_ignores_the_rest_of_the_batch(model, workload):
 
 def test_abort_mid_stream_frees_blocks_at_once(model, workload):
     prompts, _, _ = workload
-    engine = Engine(model, block_size=4, num_blocks=256)
+    engine = Engine(model, block_size=4, num_blocks=256, exact=True)
     stream = engine.stream(prompts[:4], max_new_tokens=30, min_new_tokens=30)
     first = next(stream)
     held = engine.pool.stats().num_used
@@ -218,7 +222,7 @@ def test_abort_mid_stream_frees_blocks_at_once(model, workload):
 
 def test_closing_a_stream_early_aborts_its_requests(model, workload):
     prompts, _, _ = workload
-    engine = Engine(model, block_size=4, num_blocks=256)
+    engine = Engine(model, block_size=4, num_blocks=256, exact=True)
     stream = engine.stream(prompts[:3], max_new_tokens=20, min_new_tokens=20)
     next(stream)
     stream.close()
@@ -227,7 +231,7 @@ def test_closing_a_stream_early_aborts_its_requests(model, workload):
 
 def test_stream_deltas_add_up_to_generate(model, workload):
     prompts, news, expected = workload
-    engine = Engine(model, block_size=4, num_blocks=256)
+    engine = Engine(model, block_size=4, num_blocks=256, exact=True)
     pieces: dict[str, list[int]] = {}
     finals = {}
     for output in engine.stream(prompts[:6], max_new_tokens=10, min_new_tokens=10):
@@ -242,7 +246,7 @@ def test_stream_deltas_add_up_to_generate(model, workload):
 
 def test_prompt_larger_than_the_pool_fails_alone(model, workload):
     prompts, news, expected = workload
-    engine = Engine(model, block_size=4, num_blocks=16)
+    engine = Engine(model, block_size=4, num_blocks=16, exact=True)
     huge = list(range(3, 3 + 70))  # 70 tokens + 1 need 18 blocks of 4
     outputs = engine.generate([prompts[0], huge, prompts[1]], max_new_tokens=5, min_new_tokens=5)
     assert outputs[1].finish_reason == "error" and outputs[1].token_ids == []
@@ -252,7 +256,7 @@ def test_prompt_larger_than_the_pool_fails_alone(model, workload):
 
 
 def test_a_request_blocked_by_blocks_held_outside_the_engine_fails_instead_of_waiting_forever(model):
-    engine = Engine(model, block_size=4, num_blocks=16)
+    engine = Engine(model, block_size=4, num_blocks=16, exact=True)
     outside = hf_paged.PagedCache(model, block_size=4, num_blocks=16)
     model.generate(torch.tensor([list(range(3, 43))]), past_key_values=outside, max_new_tokens=8)  # 12 blocks held
     short, blocked = engine.generate([[5, 6, 7], list(range(50, 70))], max_new_tokens=2)
@@ -264,7 +268,7 @@ def test_a_request_blocked_by_blocks_held_outside_the_engine_fails_instead_of_wa
 
 
 def test_the_held_elsewhere_error_counts_blocks_as_they_were_when_admission_failed(model):
-    engine = Engine(model, block_size=4, num_blocks=16)
+    engine = Engine(model, block_size=4, num_blocks=16, exact=True)
     prefix = list(range(50, 62))
     engine.generate([[*prefix, 1]], max_new_tokens=1)  # 3 full blocks cached, free to evict
     outside = hf_paged.PagedCache(model, block_size=4, num_blocks=16)
@@ -276,7 +280,7 @@ def test_the_held_elsewhere_error_counts_blocks_as_they_were_when_admission_fail
 
 
 def test_a_sequence_outgrowing_the_whole_pool_ends_with_reason_length_and_its_tokens(model):
-    engine = Engine(model, block_size=4, num_blocks=4)
+    engine = Engine(model, block_size=4, num_blocks=4, exact=True)
     [output] = engine.generate([[5, 6, 7]], max_new_tokens=40, min_new_tokens=40)
     assert output.finish_reason == "length" and "4 blocks in all" in output.error
     assert len(output.token_ids) == 4 * 4 - 3 + 1  # the pool holds 16 positions; the last token is never stored
@@ -287,13 +291,13 @@ def test_eos_ends_a_request_with_reason_stop(model, workload):
     prompts, news, expected = workload
     index = next(i for i, e in enumerate(expected) if len(e) >= 4 and e[3] not in e[:3])
     eos = expected[index][3]
-    engine = Engine(model, block_size=4, num_blocks=128)
+    engine = Engine(model, block_size=4, num_blocks=128, exact=True)
     [output] = engine.generate([prompts[index]], max_new_tokens=20, eos_token_id=eos)
     assert output.token_ids == expected[index][:4] and output.finish_reason == "stop"
 
 
 def test_max_new_tokens_zero_returns_at_once(model):
-    engine = Engine(model, block_size=4, num_blocks=32)
+    engine = Engine(model, block_size=4, num_blocks=32, exact=True)
     [output] = engine.generate([[5, 6, 7]], max_new_tokens=0)
     assert output.token_ids == [] and output.finish_reason == "length"
 
@@ -303,7 +307,7 @@ def test_shared_prefixes_are_reused_and_stay_exact(model):
     system = [rng.randrange(3, 128) for _ in range(32)]
     prompts = [system + [rng.randrange(3, 128) for _ in range(rng.randint(1, 9))] for _ in range(12)]
     expected = [alone(model, p, 6, min_new_tokens=6, do_sample=False) for p in prompts]
-    engine = Engine(model, block_size=8, num_blocks=256)
+    engine = Engine(model, block_size=8, num_blocks=256, exact=True)
     engine.generate(prompts[:1], max_new_tokens=6, min_new_tokens=6)  # puts the system prompt's blocks in the cache
     outputs = engine.generate(prompts, max_new_tokens=6, min_new_tokens=6)
     assert [o.token_ids for o in outputs] == expected
@@ -313,7 +317,7 @@ def test_shared_prefixes_are_reused_and_stay_exact(model):
 
 def test_a_failing_forward_fails_its_batch_and_the_engine_recovers(model, workload):
     prompts, news, expected = workload
-    engine = Engine(model, block_size=4, num_blocks=128)
+    engine = Engine(model, block_size=4, num_blocks=128, exact=True)
     calls = {"n": 0}
 
     def fail_third_forward(module, args):
@@ -354,7 +358,7 @@ class FailsOnToken:
 def test_a_token_the_tokenizer_cannot_decode_fails_its_request_alone(model, workload):
     prompts, news, expected = workload
     bad = 77
-    engine = Engine(model, FailsOnToken(bad), block_size=4, num_blocks=128)
+    engine = Engine(model, FailsOnToken(bad), block_size=4, num_blocks=128, exact=True)
     failing = engine.add_request(prompts[0], max_new_tokens=6, logit_bias={bad: 100.0})
     others = [engine.add_request(p, max_new_tokens=6, min_new_tokens=6) for p in prompts[1:4]]
     finals = drive(engine)  # every step returns: the failure stays with its request
@@ -367,7 +371,7 @@ def test_a_token_the_tokenizer_cannot_decode_fails_its_request_alone(model, work
 
 def test_requests_added_from_another_thread_join_the_batch(model, workload):
     prompts, news, expected = workload
-    engine = Engine(model, block_size=4, num_blocks=256)
+    engine = Engine(model, block_size=4, num_blocks=256, exact=True)
     first = engine.add_request(prompts[0], max_new_tokens=news[0], min_new_tokens=news[0])
     engine.step()
     ids = []
@@ -397,20 +401,20 @@ def test_requests_added_from_another_thread_join_the_batch(model, workload):
     ],
 )
 def test_bad_requests_are_refused_clearly(model, prompt, options, message):
-    engine = Engine(model, block_size=4, num_blocks=32)
+    engine = Engine(model, block_size=4, num_blocks=32, exact=True)
     with pytest.raises(ValueError, match=message):
         engine.add_request(prompt, **options)
     assert not engine.has_unfinished_requests() and engine.pool.stats().num_used == 0
 
 
 def test_unknown_option_and_bad_engine_settings(model):
-    engine = Engine(model, block_size=4, num_blocks=32)
+    engine = Engine(model, block_size=4, num_blocks=32, exact=True)
     with pytest.raises(TypeError, match=r"unknown generation options \['beams'\]"):
         engine.add_request([1, 2], beams=4)
     with pytest.raises(ValueError, match="max_batch_size must be a positive int, got 0"):
-        Engine(model, max_batch_size=0, block_size=4, num_blocks=32)
+        Engine(model, max_batch_size=0, block_size=4, num_blocks=32, exact=True)
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\) must be at least max_batch_size \(16\)"):
-        Engine(model, max_batch_size=16, max_num_batched_tokens=8, block_size=4, num_blocks=32)
+        Engine(model, max_batch_size=16, max_num_batched_tokens=8, block_size=4, num_blocks=32, exact=True)
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request([1, 2], request_id="a")
         engine.add_request([1, 2], request_id="a")
@@ -419,7 +423,7 @@ def test_unknown_option_and_bad_engine_settings(model):
 
 
 def test_progress_bar_only_when_asked(model, capsys):
-    engine = Engine(model, block_size=4, num_blocks=64)
+    engine = Engine(model, block_size=4, num_blocks=64, exact=True)
     engine.generate([[1, 2, 3]] * 3, max_new_tokens=2, progress=True)
     assert "3/3" in capsys.readouterr().err
     engine.generate([[1, 2, 3]] * 3, max_new_tokens=2)  # stderr is not a terminal under pytest
@@ -427,7 +431,7 @@ def test_progress_bar_only_when_asked(model, capsys):
 
 
 def test_step_kinds(model):
-    engine = Engine(model, block_size=4, num_blocks=64)
+    engine = Engine(model, block_size=4, num_blocks=64, exact=True)
     engine.add_request([1, 2, 3], max_new_tokens=3)
     step, failed = engine.scheduler.schedule()
     assert isinstance(step, Step) and step.kind == "prefill" and step.new_tokens == [3] and not failed
@@ -469,7 +473,7 @@ def chat_workload(smollm2):
 def test_smollm2_engine_matches_generate_alone(smollm2, chat_workload, block_size, num_blocks):
     model, tokenizer = smollm2
     prompts, news, expected = chat_workload
-    engine = Engine(model, tokenizer, block_size=block_size, num_blocks=num_blocks)
+    engine = Engine(model, tokenizer, block_size=block_size, num_blocks=num_blocks, exact=True)
     ids = [engine.add_request(p, max_new_tokens=n) for p, n in zip(prompts, news)]
     finals = drive(engine)
     assert [finals[i].token_ids for i in ids] == expected
@@ -485,7 +489,9 @@ def test_smollm2_chunked_prefill_matches_generate_alone(smollm2, chat_workload):
     # chat prompts of about 40 tokens in chunks of 16, without the prefix cache: every chunk is computed
     model, tokenizer = smollm2
     prompts, news, expected = chat_workload
-    engine = Engine(model, tokenizer, block_size=16, num_blocks=256, max_prefill_tokens=16, prefix_caching=False)
+    engine = Engine(
+        model, tokenizer, block_size=16, num_blocks=256, max_prefill_tokens=16, prefix_caching=False, exact=True
+    )
     ids = [engine.add_request(p, max_new_tokens=n) for p, n in zip(prompts[:16], news)]
     finals = drive(engine)
     assert [finals[i].token_ids for i in ids] == expected[:16]
@@ -496,7 +502,7 @@ def test_smollm2_chunked_prefill_matches_generate_alone(smollm2, chat_workload):
 
 def test_smollm2_stop_strings_and_streamed_text(smollm2):
     model, tokenizer = smollm2
-    engine = Engine(model, tokenizer, block_size=16, num_blocks=128)
+    engine = Engine(model, tokenizer, block_size=16, num_blocks=128, exact=True)
     messages = [{"role": "user", "content": "Count from one to ten in words, separated by commas."}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     [full] = engine.generate([prompt], max_new_tokens=24)
@@ -515,7 +521,7 @@ def test_smollm2_stop_strings_follow_generate_across_the_prompt_and_refuse_speci
     stops there (the Engine searched the output only and ran on). A stop string holding a special token's text
     never matched the text, which skips special tokens: refused, naming the id to end on."""
     model, tokenizer = smollm2
-    engine = Engine(model, tokenizer, block_size=16, num_blocks=64)
+    engine = Engine(model, tokenizer, block_size=16, num_blocks=64, exact=True)
     prompt = tokenizer("The capital of France is", return_tensors="pt").input_ids
     options = {"max_new_tokens": 10, "do_sample": False}
     stock = model.generate(prompt, stop_strings=[" is Paris"], tokenizer=tokenizer, **options)[0, prompt.shape[1] :]
@@ -537,7 +543,7 @@ def test_smollm2_stop_strings_follow_generate_across_the_prompt_and_refuse_speci
 def test_preemption_with_and_without_the_prefix_cache(model, prefix_caching):
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 8, 9, 10, 11, 12, 14, 15, 16]]
     expected = [alone(model, p, 5, min_new_tokens=5, do_sample=False) for p in prompts]
-    engine = Engine(model, block_size=2, num_blocks=12, prefix_caching=prefix_caching)
+    engine = Engine(model, block_size=2, num_blocks=12, prefix_caching=prefix_caching, exact=True)
     outputs = engine.generate(prompts * 3, max_new_tokens=5, min_new_tokens=5)
     assert [o.token_ids for o in outputs] == expected * 3
     assert engine.last_stats.preemptions > 0 and engine.pool.stats().num_used == 0
@@ -550,7 +556,7 @@ def test_packed_steps_compute_no_pad_position(model, workload):
     computed, eos = [], model.generation_config.eos_token_id
     hook = model.get_input_embeddings().register_forward_pre_hook(lambda m, args: computed.append(args[0].numel()))
     try:
-        engine = Engine(model, block_size=4, num_blocks=512, max_prefill_tokens=32)
+        engine = Engine(model, block_size=4, num_blocks=512, max_prefill_tokens=32, exact=True)
         configs = [GenerationConfig(max_new_tokens=n, min_new_tokens=n, eos_token_id=eos) for n in news[:12]]
         outputs = engine.generate(prompts[:12], configs)
     finally:
@@ -564,7 +570,7 @@ def test_packed_steps_compute_no_pad_position(model, workload):
 
 def test_negative_control_padded_steps_count_their_pads(model, workload):
     prompts, _, _ = workload
-    engine = Engine(model, block_size=4, num_blocks=512, max_prefill_tokens=256, attn_implementation="sdpa")
+    engine = Engine(model, block_size=4, num_blocks=512, max_prefill_tokens=256, attn_implementation="sdpa", exact=True)
     engine.generate(prompts[:12], max_new_tokens=8, min_new_tokens=8)
     stats = engine.last_stats  # stock attention reads dense K/V: right-aligned rows, pads through the model
     assert stats.pad_positions > 0 and stats.mixed_steps == 0 and stats.pad_share > 0
@@ -580,14 +586,14 @@ def test_an_eager_model_runs_packed_steps_in_eager_math(workload):
         finals = drive(engine)
         return [finals[i].token_ids for i in ids]
 
-    with Engine(model, block_size=4, num_blocks=256) as engine:
+    with Engine(model, block_size=4, num_blocks=256, exact=True) as engine:
         assert served(engine) == expected
         stats = engine.stats()
         assert stats.pad_positions == 0 and stats.prefill_steps + stats.mixed_steps >= 1  # packed: no pad position
         assert engine.cache.eager_math  # the "hf_paged" attention computed in eager attention's ops
     assert model.config._attn_implementation == "eager"  # the model is handed back as it was
     # asked for by name, the stock attention is kept: padded steps reading dense K/V
-    with Engine(model, block_size=4, num_blocks=256, attn_implementation="eager") as padded:
+    with Engine(model, block_size=4, num_blocks=256, attn_implementation="eager", exact=True) as padded:
         assert served(padded) == expected
         assert padded.stats().pad_positions > 0 and not padded.cache.eager_math
 
@@ -597,7 +603,7 @@ def test_a_failing_generate_leaves_nothing_of_its_call_behind(model, workload):
     """A bad last prompt used to leave the earlier ones queued, and an interrupted call its requests waiting or
     running: the next `generate` of one prompt ran them all, and nobody ever got their outputs."""
     prompts, news, expected = workload
-    engine = Engine(model, block_size=4, num_blocks=128)
+    engine = Engine(model, block_size=4, num_blocks=128, exact=True)
     with pytest.raises(ValueError, match="token ids must be ints"):
         engine.generate([prompts[0], prompts[1], [1, 500]], max_new_tokens=4)
     assert not engine.has_unfinished_requests() and engine.pool.stats().num_used == 0
@@ -622,7 +628,7 @@ def test_a_failing_generate_leaves_nothing_of_its_call_behind(model, workload):
 
 def test_automatic_ids_skip_the_ids_callers_chose(model, workload):
     prompts, news, expected = workload
-    engine = Engine(model, block_size=4, num_blocks=128)
+    engine = Engine(model, block_size=4, num_blocks=128, exact=True)
     chosen = engine.add_request(prompts[0], request_id="req-1", max_new_tokens=news[0], min_new_tokens=news[0])
     automatic = [engine.add_request(p, max_new_tokens=n, min_new_tokens=n) for p, n in zip(prompts[1:3], news[1:3])]
     assert len({chosen, *automatic}) == 3
@@ -634,7 +640,7 @@ def test_generate_leaves_other_callers_final_outputs_to_step(model, workload):
     """A request another caller queued finishes while `generate` steps for its own: its final output used to be
     dropped with it (the request forgotten, `abort` returning None); the next `step()` reports it."""
     prompts, news, expected = workload
-    engine = Engine(model, block_size=4, num_blocks=128)
+    engine = Engine(model, block_size=4, num_blocks=128, exact=True)
     other = engine.add_request(prompts[0], max_new_tokens=2, min_new_tokens=2)
     [mine] = engine.generate([prompts[1]], max_new_tokens=news[1], min_new_tokens=news[1])
     assert mine.token_ids == expected[1]
@@ -647,7 +653,7 @@ def test_sampling_without_top_k_uses_generates_default(model):
     """Stock `generate` samples with top_k=50 when neither the model's config nor the call sets it; the Engine
     sampled from the whole vocabulary."""
     prompt = [5, 6, 7, 8]
-    engine = Engine(model, block_size=4, num_blocks=64)
+    engine = Engine(model, block_size=4, num_blocks=64, exact=True)
     for seed in range(4):
         torch.manual_seed(seed)
         stock = model.generate(torch.tensor([prompt]), do_sample=True, max_new_tokens=8, min_new_tokens=8)
@@ -669,7 +675,7 @@ def test_sampling_without_top_k_uses_generates_default(model):
     ],
 )
 def test_generation_config_options_the_engine_does_not_implement_are_refused(model, config, message):
-    engine = Engine(model, block_size=4, num_blocks=32)
+    engine = Engine(model, block_size=4, num_blocks=32, exact=True)
     with pytest.raises(ValueError, match=f"{message}.*which the Engine does not implement"):
         engine.add_request([1, 2, 3], config)
     assert not engine.has_unfinished_requests()
@@ -682,7 +688,7 @@ def test_generation_config_options_the_engine_does_not_implement_are_refused(mod
 def test_prompt_forms(model, workload):
     np = pytest.importorskip("numpy")
     prompts, news, expected = workload
-    engine = Engine(model, block_size=4, num_blocks=128)
+    engine = Engine(model, block_size=4, num_blocks=128, exact=True)
     options = {"max_new_tokens": news[0], "min_new_tokens": news[0]}
     as_numpy = [np.int64(t) for t in prompts[0]]
     assert [o.token_ids for o in engine.generate([as_numpy], **options)] == [expected[0]]
@@ -699,7 +705,7 @@ def test_weights_edited_while_a_request_runs_leave_no_stale_block_in_the_prefix_
     """A block half-filled before a weight update and filled after it holds K/V of both weights: a later request
     with the same tokens must not reuse it (its output must equal stock generate under the new weights)."""
     model = tiny_model("llama")
-    engine = Engine(model, block_size=4, num_blocks=64)
+    engine = Engine(model, block_size=4, num_blocks=64, exact=True)
     first = engine.add_request([11, 12], max_new_tokens=8, min_new_tokens=8)
     engine.step()  # the prompt's 2 tokens are stored with the old weights; block 0 is not full yet
     with torch.no_grad():
@@ -717,7 +723,7 @@ def test_weights_edited_while_a_request_runs_leave_no_stale_block_in_the_prefix_
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_a_step_under_checkpointing_in_training_mode_is_refused_and_the_requests_wait(model, workload):
     prompts, news, expected = workload
-    engine = Engine(model, block_size=4, num_blocks=128)
+    engine = Engine(model, block_size=4, num_blocks=128, exact=True)
     ids = [engine.add_request(p, max_new_tokens=5, min_new_tokens=5) for p in prompts[:2]]
     model.activation_checkpointing_enable()
     model.train()
@@ -734,7 +740,7 @@ def test_a_step_under_checkpointing_in_training_mode_is_refused_and_the_requests
 
 def test_an_engine_follows_a_resized_vocabulary():
     model = tiny_model("llama")
-    engine = Engine(model, block_size=4, num_blocks=64)
+    engine = Engine(model, block_size=4, num_blocks=64, exact=True)
     engine.generate([[5, 6, 7]], max_new_tokens=2)
     model.resize_token_embeddings(160)
     prompt = [5, 140, 150, 7]
@@ -748,7 +754,7 @@ def test_streams_consumed_in_turn_by_one_thread_each_get_every_piece(model, work
     """Two streams read alternately (`zip_longest`), and a `generate` run while a stream is paused: each call takes
     all of its own pieces, whoever stepped (this hung: a stream waited for a final output the other one held)."""
     prompts, news, expected = workload
-    engine = Engine(model, block_size=4, num_blocks=128)
+    engine = Engine(model, block_size=4, num_blocks=128, exact=True)
     first = engine.stream(prompts[0:2], max_new_tokens=3, min_new_tokens=3)
     second = engine.stream(prompts[2:4], max_new_tokens=6, min_new_tokens=6)
     pieces: dict[str, list[int]] = {}
@@ -772,7 +778,7 @@ def test_greedy_requests_ignore_the_sampling_warpers_as_generate_does(model, wor
     """`generate(do_sample=False, temperature=0.0)` runs (transformers warns the flag is ignored); so does the
     Engine, also when the 0 comes from the model's generation config (every request was refused)."""
     prompts, news, expected = workload
-    engine = Engine(model, block_size=4, num_blocks=128)
+    engine = Engine(model, block_size=4, num_blocks=128, exact=True)
     (output,) = engine.generate(prompts[:1], max_new_tokens=4, min_new_tokens=4, temperature=0.0, top_p=0.0)
     assert output.token_ids == expected[0][:4]
     config = GenerationConfig(do_sample=False, temperature=0.0, max_new_tokens=4, min_new_tokens=4)
@@ -784,7 +790,7 @@ def test_a_tokenizers_output_is_taken_as_its_prompts(smollm2):
     """`apply_chat_template` returns a `BatchEncoding` in transformers 5; a padded batch encoding's pads are not
     prompt tokens (both were refused); raw chat messages are refused with the way to apply the template."""
     model, tokenizer = smollm2
-    engine = Engine(model, tokenizer, block_size=16, num_blocks=64)
+    engine = Engine(model, tokenizer, block_size=16, num_blocks=64, exact=True)
     messages = [{"role": "user", "content": "Name a colour."}]
     encoding = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     ids = list(encoding["input_ids"])
@@ -808,7 +814,7 @@ def test_a_padded_tensor_of_prompts_loses_its_pads_as_generate_masks_them(model,
     padded = torch.tensor([[0] * 4 + short, long])
     assert model.generation_config.pad_token_id == 0 and 0 not in short + long
     stock = model.generate(padded, max_new_tokens=5, min_new_tokens=5, do_sample=False)[:, padded.shape[1] :]
-    engine = Engine(model, block_size=4, num_blocks=64)
+    engine = Engine(model, block_size=4, num_blocks=64, exact=True)
     outputs = engine.generate(padded, max_new_tokens=5, min_new_tokens=5)
     assert [o.prompt_token_ids for o in outputs] == [short, long]
     assert [o.token_ids for o in outputs] == stock.tolist()
@@ -824,14 +830,14 @@ def test_a_padded_tensor_of_prompts_loses_its_pads_as_generate_masks_them(model,
 
 
 def test_an_engine_takes_cache_config_as_generate_does(model):
-    engine = Engine(model, cache_config=hf_paged.PagedCacheConfig(block_size=8, num_blocks=40))
+    engine = Engine(model, cache_config=hf_paged.PagedCacheConfig(block_size=8, num_blocks=40), exact=True)
     assert (engine.pool.block_size, engine.pool.num_blocks) == (8, 40)
-    engine = Engine(model, cache_config={"block_size": 4}, num_blocks=32)
+    engine = Engine(model, cache_config={"block_size": 4}, num_blocks=32, exact=True)
     assert (engine.pool.block_size, engine.pool.num_blocks) == (4, 32)
 
 
 def test_abort_of_an_id_the_engine_does_not_know_raises_key_error(model):
-    engine = Engine(model, block_size=4, num_blocks=64)
+    engine = Engine(model, block_size=4, num_blocks=64, exact=True)
     with pytest.raises(KeyError, match="no request 'never-added' in this engine"):
         engine.abort("never-added")
     request_id = engine.add_request([5, 6, 7], max_new_tokens=2, do_sample=False)
@@ -843,7 +849,7 @@ def test_abort_of_an_id_the_engine_does_not_know_raises_key_error(model):
 
 
 def test_last_stats_follow_steps_the_caller_drives(model):
-    engine = Engine(model, block_size=4, num_blocks=64)
+    engine = Engine(model, block_size=4, num_blocks=64, exact=True)
     assert engine.last_stats is None
     for prompt in ([5, 6, 7], [8, 9]):
         engine.add_request(prompt, max_new_tokens=3, min_new_tokens=3, do_sample=False)
@@ -856,7 +862,7 @@ def test_last_stats_follow_steps_the_caller_drives(model):
 
 
 def test_openai_option_names_are_refused_naming_the_engines_own(model):
-    engine = Engine(model, block_size=4, num_blocks=64)
+    engine = Engine(model, block_size=4, num_blocks=64, exact=True)
     with pytest.raises(TypeError, match="max_tokens: the OpenAI API's name; use max_new_tokens"):
         engine.generate([[5, 6, 7]], max_tokens=3)
     with pytest.raises(TypeError, match="max_new_tokenz: did you mean max_new_tokens\\?"):

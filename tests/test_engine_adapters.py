@@ -72,7 +72,13 @@ def run_interleaved(engine: Engine, requests: list, arrive_every: int = 3, **opt
 def test_mixed_adapters_in_the_same_steps_match_peft_alone(base, adapters, reference, num_blocks):
     requests = workload(32, base.config.vocab_size)
     engine = Engine(
-        base, block_size=4, num_blocks=num_blocks, max_batch_size=8, max_num_batched_tokens=16, adapters=adapters
+        base,
+        block_size=4,
+        num_blocks=num_blocks,
+        max_batch_size=8,
+        max_num_batched_tokens=16,
+        adapters=adapters,
+        exact=True,
     )
     outputs, steps = run_interleaved(engine, requests)
     for output, (prompt, adapter, count) in zip(outputs, requests):
@@ -88,7 +94,7 @@ def test_mixed_adapters_in_the_same_steps_match_peft_alone(base, adapters, refer
 
 def test_seeded_sampling_matches_peft_alone(base, adapters, reference):
     requests = workload(16, base.config.vocab_size, seed=1)
-    engine = Engine(base, block_size=4, num_blocks=256, max_num_batched_tokens=64, adapters=adapters)
+    engine = Engine(base, block_size=4, num_blocks=256, max_num_batched_tokens=64, adapters=adapters, exact=True)
     ids = [
         engine.add_request(p, max_new_tokens=n, min_new_tokens=n, do_sample=True, top_k=20, seed=100 + i, adapter=a)
         for i, (p, a, n) in enumerate(requests)
@@ -103,7 +109,7 @@ def test_seeded_sampling_matches_peft_alone(base, adapters, reference):
 
 def test_right_aligned_steps_under_a_stock_attention_match_too(base, adapters, reference):
     requests = workload(12, base.config.vocab_size, seed=2)
-    engine = Engine(base, block_size=4, num_blocks=256, attn_implementation="sdpa", adapters=adapters)
+    engine = Engine(base, block_size=4, num_blocks=256, attn_implementation="sdpa", adapters=adapters, exact=True)
     outputs, steps = run_interleaved(engine, requests, arrive_every=4)
     assert {kind for kind, _ in steps} <= {"prefill", "decode"}
     for output, (prompt, adapter, count) in zip(outputs, requests):
@@ -113,7 +119,7 @@ def test_right_aligned_steps_under_a_stock_attention_match_too(base, adapters, r
 def test_negative_control_adapters_change_the_output(base, adapters, reference):
     """Each adapter changes most requests' tokens; served as the base model they would not match PEFT."""
     requests = [(p, a, n) for p, a, n in workload(24, base.config.vocab_size, seed=3) if a is not None]
-    engine = Engine(base, block_size=4, num_blocks=256, adapters=adapters)
+    engine = Engine(base, block_size=4, num_blocks=256, adapters=adapters, exact=True)
     as_base = [engine.generate([p], max_new_tokens=n, min_new_tokens=n)[0].token_ids for p, _, n in requests]
     expected = [reference.generate(p, a, n) for p, a, n in requests]
     differ = sum(got != want for got, want in zip(as_base, expected))
@@ -123,7 +129,7 @@ def test_negative_control_adapters_change_the_output(base, adapters, reference):
 
 
 def test_prefix_cache_is_shared_within_an_adapter_and_never_across(base, adapters, reference):
-    engine = Engine(base, block_size=4, num_blocks=256, adapters=adapters)
+    engine = Engine(base, block_size=4, num_blocks=256, adapters=adapters, exact=True)
     prompt = list(range(10, 23))  # 13 tokens: 3 full blocks cached after the first run
     first = {}
     for name in NAMES:
@@ -148,7 +154,7 @@ def reload_with_new_weights(base, engine: Engine):
 
 
 def test_reloading_an_adapter_with_new_weights_never_serves_the_old_kv(base, adapters):
-    engine = Engine(base, block_size=4, num_blocks=256, adapters={"qv": adapters["qv"]})
+    engine = Engine(base, block_size=4, num_blocks=256, adapters={"qv": adapters["qv"]}, exact=True)
     prompt, output = reload_with_new_weights(base, engine)
     new = PeftReference(base, {"qv": random_lora(base, seed=7, rank=4)})
     assert output.prefix_tokens_reused == 0
@@ -161,7 +167,7 @@ def test_negative_control_keying_blocks_by_adapter_name_alone_serves_stale_kv(ba
     from hf_paged.engine.request import Request
 
     monkeypatch.setattr(Request, "prefix_namespace", property(lambda r: r.adapter and r.adapter.name.encode()))
-    engine = Engine(base, block_size=4, num_blocks=256, adapters={"qv": adapters["qv"]})
+    engine = Engine(base, block_size=4, num_blocks=256, adapters={"qv": adapters["qv"]}, exact=True)
     prompt, output = reload_with_new_weights(base, engine)
     new = PeftReference(base, {"qv": random_lora(base, seed=7, rank=4)})
     assert output.prefix_tokens_reused == 16
@@ -172,7 +178,7 @@ def test_unload_and_reload_while_requests_run_on_the_name(base, adapters):
     """Requests added on an adapter finish on its weights even when it is unloaded (and its name reloaded with other
     weights) while they run; its slot is freed when the last of them ends; new requests cannot name it meanwhile."""
     old, new = adapters["qv"], random_lora(base, seed=9, rank=4)
-    engine = Engine(base, block_size=4, num_blocks=256, max_adapters=2, adapters={"qv": old})
+    engine = Engine(base, block_size=4, num_blocks=256, max_adapters=2, adapters={"qv": old}, exact=True)
     prompt = [7, 8, 9, 10, 11]
     running = engine.add_request(prompt, max_new_tokens=10, min_new_tokens=10, adapter="qv")
     waiting = engine.add_request(prompt[::-1], max_new_tokens=3, min_new_tokens=3, adapter="qv")
@@ -205,14 +211,16 @@ def test_adapters_load_from_peft_directories(base, adapters, reference, tmp_path
 
     set_peft_model_state_dict(model, state)
     model.save_pretrained(tmp_path / "all")
-    engine = Engine(base, block_size=4, num_blocks=64, adapters={"all": tmp_path / "all"})
+    engine = Engine(base, block_size=4, num_blocks=64, adapters={"all": tmp_path / "all"}, exact=True)
     [output] = engine.generate([[4, 5, 6]], max_new_tokens=5, min_new_tokens=5, adapter="all")
     assert output.token_ids == reference.generate([4, 5, 6], "all", 5)
     assert engine.adapters.get("all").digest == engine.adapters.load("copy", adapters["all"]).digest
 
 
 def test_bad_adapters_are_refused_naming_the_value_and_the_limit(base, adapters, tmp_path):
-    engine = Engine(base, block_size=4, num_blocks=64, max_adapters=2, max_rank=4, adapters={"qv": adapters["qv"]})
+    engine = Engine(
+        base, block_size=4, num_blocks=64, max_adapters=2, max_rank=4, adapters={"qv": adapters["qv"]}, exact=True
+    )
     with pytest.raises(ValueError, match=r"unknown adapter 'nope'; loaded adapters: \['qv'\]"):
         engine.add_request([1, 2, 3], adapter="nope")
     too_big = r"adapter 'all' has rank 8 \(model.layers.0.mlp.down_proj\), above max_rank=4"
@@ -241,17 +249,17 @@ def test_bad_adapters_are_refused_naming_the_value_and_the_limit(base, adapters,
         engine.load_adapter("x", tmp_path)
     assert engine.adapters.names == ["qv", "mlp"]
     with pytest.raises(ValueError, match="max_rank must be a positive int, got 0"):
-        Engine(base, block_size=4, num_blocks=64, max_rank=0)
+        Engine(base, block_size=4, num_blocks=64, max_rank=0, exact=True)
     wrapped = get_peft_model(tiny_model("llama"), LoraConfig(r=2, target_modules=["q_proj"]))
     with pytest.raises(ValueError, match="need the plain base model; this model holds PEFT adapter layers"):
-        Engine(wrapped, block_size=4, num_blocks=64, adapters={"qv": adapters["qv"]})
+        Engine(wrapped, block_size=4, num_blocks=64, adapters={"qv": adapters["qv"]}, exact=True)
 
 
 def test_the_base_model_outside_the_engine_is_unchanged(adapters):
     base = tiny_model("llama")
     ids = torch.tensor([[3, 4, 5, 6]])
     before = base(ids).logits.detach()
-    engine = Engine(base, block_size=4, num_blocks=64, adapters=adapters)
+    engine = Engine(base, block_size=4, num_blocks=64, adapters=adapters, exact=True)
     engine.generate([[3, 4, 5]], max_new_tokens=3, adapter="all")
     assert torch.equal(base(ids).logits.detach(), before)  # the hooks add nothing outside the engine's steps
 
@@ -281,7 +289,9 @@ def test_smollm2_three_adapters_and_the_base_match_peft_alone(smollm2):
     requests = [
         (tokenizer(prompts[i % 4], add_special_tokens=False)["input_ids"], NAMES[(i + i // 4) % 4], 6) for i in range(8)
     ]
-    engine = Engine(model, tokenizer, block_size=16, num_blocks=256, max_num_batched_tokens=64, adapters=adapters)
+    engine = Engine(
+        model, tokenizer, block_size=16, num_blocks=256, max_num_batched_tokens=64, adapters=adapters, exact=True
+    )
     outputs, steps = run_interleaved(engine, requests, arrive_every=2)
     assert any(len(names) >= 3 for kind, names in steps if kind == "mixed")
     reference = PeftReference(model, adapters)

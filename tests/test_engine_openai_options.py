@@ -64,7 +64,7 @@ def test_options_and_logprobs_match_generate(llama, options):
     plain = [reference(llama, p, 10)[0] for p in PROMPTS]
     if options:
         assert [tokens for tokens, _ in expected] != plain  # the option changes the answer
-    engine = Engine(llama, block_size=4, num_blocks=64)
+    engine = Engine(llama, block_size=4, num_blocks=64, exact=True)
     outputs = engine.generate(PROMPTS, max_new_tokens=10, min_new_tokens=10, logprobs=5, **options)
     for output, (tokens, rows) in zip(outputs, expected):
         assert output.token_ids == tokens
@@ -78,7 +78,7 @@ def test_options_and_logprobs_match_generate(llama, options):
 
 
 def test_sampled_logprobs_are_those_of_the_raw_distribution(llama):
-    engine = Engine(llama, block_size=4, num_blocks=64)
+    engine = Engine(llama, block_size=4, num_blocks=64, exact=True)
     [output] = engine.generate([PROMPTS[0]], max_new_tokens=8, do_sample=True, temperature=0.7, seed=3, logprobs=0)
     sequence = torch.tensor([PROMPTS[0] + output.token_ids])
     with torch.no_grad():
@@ -89,7 +89,7 @@ def test_sampled_logprobs_are_those_of_the_raw_distribution(llama):
 
 
 def test_streamed_logprobs_come_with_their_tokens_and_only_when_asked(llama):
-    engine = Engine(llama, block_size=4, num_blocks=64)
+    engine = Engine(llama, block_size=4, num_blocks=64, exact=True)
     pieces = {}
     for output in engine.stream(PROMPTS[:2], max_new_tokens=6, min_new_tokens=6, logprobs=2):
         assert [e.token_id for e in output.new_logprobs] == output.new_token_ids
@@ -118,7 +118,7 @@ def test_streamed_logprobs_come_with_their_tokens_and_only_when_asked(llama):
     ],
 )
 def test_bad_options_are_refused_clearly(llama, options, message):
-    engine = Engine(llama, block_size=4, num_blocks=16)
+    engine = Engine(llama, block_size=4, num_blocks=16, exact=True)
     with pytest.raises(ValueError) as caught:
         engine.add_request([5, 6], **options)
     assert message in str(caught.value)

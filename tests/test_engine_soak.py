@@ -31,7 +31,12 @@ def test_engine_soak_with_aborts_and_a_half_sized_pool(attention):
     reference = [model.generate(torch.tensor([p]), **options)[0, len(p) :].tolist() for p in prompts]
 
     engine = Engine(
-        model, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_batch_size=IN_FLIGHT, attn_implementation=attention
+        model,
+        block_size=BLOCK_SIZE,
+        num_blocks=NUM_BLOCKS,
+        max_batch_size=IN_FLIGHT,
+        attn_implementation=attention,
+        exact=True,
     )
     allocator = engine.pool.allocator
     asked: dict[str, tuple[int, int]] = {}
@@ -108,7 +113,7 @@ def test_engine_memory_is_flat_over_thousands_of_requests():
     import gc
     import tracemalloc
 
-    engine = Engine(tiny_model("llama"), block_size=4, num_blocks=160, max_batch_size=32)
+    engine = Engine(tiny_model("llama"), block_size=4, num_blocks=160, max_batch_size=32, exact=True)
     rng = random.Random(7)
     tracemalloc.start()  # before the warm-up: what it allocated and later requests free is then counted as freed
     try:

@@ -507,9 +507,9 @@ def test_peft_prompt_tuning_runs_like_stock_and_prefix_tuning_is_refused():
         prefix_tuned.generate(input_ids=prompt, **options, cache_implementation="paged", cache_config=CACHE)
     assert pool.stats().num_used == 0
     with pytest.raises(NotImplementedError, match="Engine cannot serve a PEFT PREFIX_TUNING model"):
-        hf_paged.Engine(prefix_tuned)
+        hf_paged.Engine(prefix_tuned, exact=True)
     with pytest.raises(NotImplementedError, match="Engine cannot serve a PEFT PROMPT_TUNING model"):
-        hf_paged.Engine(prompt_tuned)
+        hf_paged.Engine(prompt_tuned, exact=True)
 
 
 def test_generation_under_autocast_runs_like_stock():
@@ -523,7 +523,7 @@ def test_generation_under_autocast_runs_like_stock():
         reference = seeded(model, **kwargs)
         paged = seeded(model, **kwargs, cache_implementation="paged", cache_config=CACHE)
         paged.past_key_values.release()
-        engine = hf_paged.Engine(model, **CACHE)
+        engine = hf_paged.Engine(model, **CACHE, exact=True)
         outputs = engine.generate(prompts, max_new_tokens=8, min_new_tokens=8)
     assert torch.equal(reference.sequences, paged.sequences)
     assert [o.token_ids for o in outputs] == reference.sequences[:, input_ids.shape[1] :].tolist()

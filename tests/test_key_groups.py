@@ -96,7 +96,7 @@ def prompts(vocab_size: int) -> list[list[int]]:
 def test_engine_rows_read_in_key_groups_match_generate_alone(model, every_length_its_own_group):
     reads = every_length_its_own_group
     batch = prompts(model.config.vocab_size)
-    engine = Engine(model, block_size=4, num_blocks=256, prefix_caching=False)
+    engine = Engine(model, block_size=4, num_blocks=256, prefix_caching=False, exact=True)
     engine.add_request(batch[0], max_new_tokens=12)
     engine.step()  # the rest arrive while it decodes: mixed steps of one decode row and prompts
     outputs = engine.generate(batch[1:], max_new_tokens=12)

@@ -308,6 +308,7 @@ def test_engine_packed_steps_equal_stock_per_prompt(kv_dtype):
         max_batch_size=4,
         max_prefill_tokens=8,
         max_num_batched_tokens=8,
+        exact=True,
     )
     outputs = engine.generate(prompts, max_new_tokens=10)
     assert engine.pool.kv_dtype == kv_dtype and engine.step_counts["mixed"] > 0

@@ -264,7 +264,7 @@ def test_attention_transforming_its_kv_reads_the_paged_cache_densely(model_type,
     assert hf_paged.support.kv_transformed_after_update(model) is not None
     check_mode(model, CACHE, mode)
     prompts = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 9)]
-    engine = hf_paged.Engine(model, block_size=4, num_blocks=64)
+    engine = hf_paged.Engine(model, block_size=4, num_blocks=64, exact=True)
     outputs = engine.generate(prompts, max_new_tokens=6, min_new_tokens=6)
     engine.close()
     for prompt, output in zip(prompts, outputs):
@@ -305,7 +305,7 @@ def test_an_update_into_another_cache_slot_than_the_module_layer_is_read_from_th
     for mode in ("greedy", "beams"):
         check_mode(model, {**CACHE, "attn_implementation": "hf_paged"}, mode)
     prompt = torch.randint(3, 128, (9,), generator=torch.Generator().manual_seed(4)).tolist()
-    engine = hf_paged.Engine(model, block_size=4, num_blocks=256)
+    engine = hf_paged.Engine(model, block_size=4, num_blocks=256, exact=True)
     (output,) = engine.generate([prompt], max_new_tokens=6, min_new_tokens=6)
     engine.close()
     stock = model.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
@@ -443,7 +443,7 @@ def test_minimax_with_only_full_attention_layers_is_refused_by_generate_and_the_
     refusal = r"MiniMaxForCausalLM keeps a cache of its own \(transformers builds no DynamicCache for it\)"
     assert_refused(model, refusal)
     with pytest.raises(NotImplementedError, match=refusal):
-        hf_paged.Engine(model)
+        hf_paged.Engine(model, exact=True)
 
 
 def test_cross_attention_layers_mllama_are_refused():
@@ -528,7 +528,7 @@ def test_engine_matches_generate_alone(models, case):
     prompts = [[3 + (7 * i + j) % 100 for j in range(length)] for i, length in enumerate((3, 11, 6, 9))]
     options = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False}
     expected = [model.generate(torch.tensor([p]), pad_token_id=0, **options)[0, len(p) :].tolist() for p in prompts]
-    with hf_paged.Engine(model, **CACHE) as engine:
+    with hf_paged.Engine(model, **CACHE, exact=True) as engine:
         outputs = engine.generate(prompts, **options)
         assert [o.token_ids for o in outputs] == expected
         stats = engine.last_stats
@@ -582,7 +582,7 @@ def test_engine_on_layers_with_their_own_head_counts_heterogeneous_step3p7():
     prompts = [[3 + (5 * i + j) % 100 for j in range(length)] for i, length in enumerate((4, 9, 6))]
     options = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False}
     expected = [model.generate(input_ids=torch.tensor([p]), pad_token_id=0, **options)[0, len(p) :] for p in prompts]
-    with hf_paged.Engine(model, **CACHE) as engine:
+    with hf_paged.Engine(model, **CACHE, exact=True) as engine:
         outputs = engine.generate(prompts, **options)
     assert [o.token_ids for o in outputs] == [e.tolist() for e in expected]
     assert get_pool(model).stats().num_used == 0
@@ -612,7 +612,7 @@ def test_a_forward_that_takes_no_cache_runs_as_stock_in_generate_and_is_refused_
     assert torch.equal(paged, expected)
     pools = len(hf_paged.live_pools())
     with pytest.raises(NotImplementedError, match="OpenAIGPTLMHeadModel's forward takes no past_key_values"):
-        hf_paged.Engine(model, **CACHE)
+        hf_paged.Engine(model, **CACHE, exact=True)
     assert len(hf_paged.live_pools()) == pools
 
 
@@ -625,7 +625,7 @@ def test_a_model_that_adds_positions_of_its_own_cpmant_is_refused_by_the_engine_
     expected = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
     paged = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation="paged")
     assert torch.equal(paged, expected)
-    with hf_paged.Engine(model, **CACHE) as engine:
+    with hf_paged.Engine(model, **CACHE, exact=True) as engine:
         with pytest.raises(NotImplementedError, match=r"CpmAntForCausalLM: layer 0 wrote K/V of 2 x 3\d positions"):
             engine.generate([[3, 4, 5, 6], [7, 8, 9, 10, 11, 12]], max_new_tokens=4)
         assert engine.pool.stats().num_used == 0

@@ -124,7 +124,7 @@ def test_an_idle_pool_follows_the_models_dtype_and_a_busy_one_refuses_clearly():
     model = tiny_model("llama")
     prompt = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(3))
     options = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
-    engine = hf_paged.Engine(model, block_size=4, num_blocks=64)
+    engine = hf_paged.Engine(model, block_size=4, num_blocks=64, exact=True)
     for dtype in (torch.float32, torch.bfloat16, torch.float32):
         model.to(dtype)
         expected = model.generate(prompt, **options)
@@ -152,7 +152,7 @@ def test_a_request_the_engines_small_pool_cannot_hold_is_refused_before_any_forw
     """`Engine(model, num_blocks=8)` sized the model's pool; a later plain paged `generate` of 1 x 8 + 200 tokens
     needs 13 blocks of 16: refused before the first forward (it used to fail after 128 decoded tokens), naming the
     size's origin and the way back to the default; after `release_pool` the same call runs and equals stock."""
-    hf_paged.Engine(model, num_blocks=8)
+    hf_paged.Engine(model, num_blocks=8, exact=True)
     forwards = count_forwards(model)
     prompt = torch.randint(3, 128, (1, 8), generator=torch.Generator().manual_seed(0))
     options = {"max_new_tokens": 200, "min_new_tokens": 200, "do_sample": False, "pad_token_id": 0}
@@ -161,7 +161,7 @@ def test_a_request_the_engines_small_pool_cannot_hold_is_refused_before_any_forw
     assert isinstance(refused.value, hf_paged.RequestTooLargeError)
     message = str(refused.value)
     assert "may need 13 KV blocks of 16 tokens" in message and "whole pool has 8 blocks" in message
-    assert "sized by Engine(num_blocks=8)" in message and "hf_paged.release_pool(model)" in message
+    assert "sized by Engine(num_blocks=8, exact=True)" in message and "hf_paged.release_pool(model)" in message
     assert (refused.value.num_needed, refused.value.num_blocks) == (13, 8)
     assert forwards == []
     pool = get_pool(model)

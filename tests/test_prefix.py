@@ -581,7 +581,7 @@ def test_a_lora_adapter_switched_rescaled_or_disabled_retires_the_blocks_cached_
 def test_an_engine_on_a_peft_model_follows_its_active_adapter():
     peft_model = two_adapter_model()
     prompts = [list(range(3, 43)), list(range(50, 85))]
-    engine = hf_paged.Engine(peft_model, block_size=8)
+    engine = hf_paged.Engine(peft_model, block_size=8, exact=True)
     stock_options = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     for change in (lambda: None, lambda: peft_model.set_adapter("two"), peft_model.disable_adapter):
         with change() or contextlib.nullcontext():

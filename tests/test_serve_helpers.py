@@ -19,7 +19,7 @@ def test_a_server_whose_port_is_taken_starts_again_on_another(tmp_path, monkeypa
         ports = iter([busy])
         real_free_port = serve_helpers.free_port
         monkeypatch.setattr(serve_helpers, "free_port", lambda: next(ports, None) or real_free_port())
-        server = ServerProcess(folder, "--num-blocks", "16")
+        server = ServerProcess(folder, "--num-blocks", "16", "--exact")
         try:
             assert server.port != busy
             assert httpx.get(f"{server.base}/health", timeout=5).status_code == 200

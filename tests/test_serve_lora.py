@@ -30,7 +30,7 @@ def setup(tmp_path_factory):
     options = ["--served-model-name", TINY, "--num-blocks", "128", "--block-size", "16", "--api-key", API_KEY]
     for name in ("qv", "all"):
         options += ["--lora", f"{name}={paths[name]}"]
-    process = ServerProcess(folder, *options, "--max-loras", "3")
+    process = ServerProcess(folder, *options, "--max-loras", "3", "--exact")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     yield process.base, paths, PeftReference(base, adapters), tokenizer
     process.close()

@@ -30,7 +30,7 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tiny_dir):
     options = ["--served-model-name", TINY, "--num-blocks", "1024", "--max-prefill-tokens", "8192"]
-    process = ServerProcess(tiny_dir, *options, env={"HF_PAGED_API_KEY": API_KEY})  # the key from the environment
+    process = ServerProcess(tiny_dir, *options, "--exact", env={"HF_PAGED_API_KEY": API_KEY})  # the key from the environment
     yield process.base
     process.close()
 
@@ -147,7 +147,7 @@ def test_a_completion_prompt_gets_the_tokenizers_special_tokens(bos_dir):
     messages = [{"role": "user", "content": "What is a page table?"}]
     chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
     expected_chat = model.generate(torch.tensor([chat_ids]), max_new_tokens=5, min_new_tokens=5, do_sample=False)
-    server = ServerProcess(bos_dir, "--served-model-name", TINY, "--num-blocks", "64")
+    server = ServerProcess(bos_dir, "--served-model-name", TINY, "--num-blocks", "64", "--exact")
     try:
         client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="none", max_retries=0, timeout=60)
         reply = client.completions.create(

@@ -27,7 +27,7 @@ def tiny_dir(tmp_path_factory):
 
 
 def start(tiny_dir, *options: str) -> ServerProcess:
-    return ServerProcess(tiny_dir, "--served-model-name", TINY, "--api-key", API_KEY, *options)
+    return ServerProcess(tiny_dir, "--served-model-name", TINY, "--api-key", API_KEY, "--exact", *options)
 
 
 # ---------------------------------------------------------------------------------------------- 5: pool outgrown

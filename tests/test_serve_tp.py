@@ -76,7 +76,9 @@ def test_the_openai_client_gets_the_single_process_greedy_tokens(server, folder)
     prompt = [504, 3458, 282, 4649, 314]
     reply = client.completions.create(model="tiny4", prompt=prompt, max_tokens=10, temperature=0)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    engine = hf_paged.Engine(AutoModelForCausalLM.from_pretrained(folder), tokenizer, block_size=4, num_blocks=64)
+    engine = hf_paged.Engine(
+        AutoModelForCausalLM.from_pretrained(folder), tokenizer, block_size=4, num_blocks=64, exact=True
+    )
     expected = engine.generate([prompt], max_new_tokens=10, do_sample=False)[0]
     assert reply.choices[0].text == expected.text
     assert reply.usage.completion_tokens == len(expected.token_ids)

@@ -24,7 +24,7 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 def test_three_ranks_answer_like_one_process(smollm2):
     model, tokenizer = smollm2
     prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
-    engine = Engine(model, tokenizer, block_size=16, num_blocks=64, progress=False)
+    engine = Engine(model, tokenizer, block_size=16, num_blocks=64, progress=False, exact=True)
     expected = engine.generate([prompt], max_new_tokens=12, do_sample=False)[0]
     server = ServerProcess(smollm2_path(), "--tp", "3", "--block-size", "16", "--num-blocks", "64",
                            "--served-model-name", "smol")  # fmt: skip

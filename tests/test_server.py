@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def server():
     options = ("--served-model-name", MODEL, "--num-blocks", "256", "--block-size", "16", "--api-key", API_KEY)
-    process = ServerProcess(smollm2_path(), *options)
+    process = ServerProcess(smollm2_path(), "--exact", *options)
     yield process.base
     process.close()
 
@@ -260,7 +260,7 @@ def test_no_prefix_caching_serves_every_prompt_in_full(tmp_path, prefix_caching)
     from .serve_helpers import save_tiny_model
 
     options = ("--block-size", "4", "--num-blocks", "256") + (() if prefix_caching else ("--no-prefix-caching",))
-    process = ServerProcess(save_tiny_model(tmp_path / "tiny"), *options)
+    process = ServerProcess(save_tiny_model(tmp_path / "tiny"), "--exact", *options)
     try:
         body = {"model": "tiny", "prompt": " ".join(["pages"] * 24), "max_tokens": 2, "temperature": 0}
         texts = [httpx.post(f"{process.base}/v1/completions", json=body, timeout=60).json() for _ in range(2)]

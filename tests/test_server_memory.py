@@ -67,7 +67,9 @@ def tiny_app():
     """An `EngineLoop` over a tiny random Llama with SmolLM2's tokenizer, and its app."""
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
     model = tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=1024)
-    loop = EngineLoop(Engine(model, tokenizer, block_size=4, num_blocks=96, max_batch_size=8), model_name=MODEL)
+    loop = EngineLoop(
+        Engine(model, tokenizer, block_size=4, num_blocks=96, max_batch_size=8, exact=True), model_name=MODEL
+    )
     return loop, create_app(loop, MODEL)
 
 

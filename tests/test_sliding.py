@@ -176,7 +176,7 @@ def test_engine_matches_generate_alone_and_holds_the_window(mistral):
         mistral.generate(torch.tensor([p]), max_new_tokens=150, min_new_tokens=150, do_sample=False)[0, len(p) :]
         for p in prompts
     ]
-    engine = Engine(mistral, block_size=BLOCK_SIZE, num_blocks=4 * BOUND + 4)
+    engine = Engine(mistral, block_size=BLOCK_SIZE, num_blocks=4 * BOUND + 4, exact=True)
     assert engine.skip_window == WINDOW
     with BlockMeter(mistral, engine.cache) as meter:
         outputs = engine.generate(prompts, max_new_tokens=150, min_new_tokens=150, do_sample=False)
@@ -191,7 +191,7 @@ def test_engine_counts_the_blocks_a_sliding_window_gives_back_as_free():
     model = tiny_model("mistral", sliding_window=33, max_position_embeddings=1024)
     request = prompt(5, seed=30)[0].tolist()
     alone = model.generate(torch.tensor([request]), max_new_tokens=150, min_new_tokens=150, do_sample=False)
-    engine = Engine(model, block_size=BLOCK_SIZE, num_blocks=5)
+    engine = Engine(model, block_size=BLOCK_SIZE, num_blocks=5, exact=True)
     (output,) = engine.generate([request], max_new_tokens=150, min_new_tokens=150, do_sample=False)
     assert output.finish_reason == "length" and output.token_ids == alone[0, 5:].tolist()
     assert engine.stats().preemptions == 0 and engine.pool.stats().num_used == 0
@@ -201,17 +201,17 @@ def test_chunked_prefill_runs_a_prompt_far_larger_than_the_pool(mistral, gemma3)
     # a 400-token prompt in chunks of 16: a sliding row holds its window and one chunk, 7 blocks of 8, at most
     request = prompt(400, seed=31)[0].tolist()
     alone = mistral.generate(torch.tensor([request]), max_new_tokens=40, min_new_tokens=40, do_sample=False)
-    engine = Engine(mistral, block_size=BLOCK_SIZE, num_blocks=8, max_prefill_tokens=16)
+    engine = Engine(mistral, block_size=BLOCK_SIZE, num_blocks=8, max_prefill_tokens=16, exact=True)
     assert engine.planner.blocks_to_run(400, chunk=16) == 7
     with BlockMeter(mistral, engine.cache) as meter:
         (output,) = engine.generate([request], max_new_tokens=40, min_new_tokens=40, do_sample=False)
     assert output.token_ids == alone[0, 400:].tolist() and max(meter.per_row) <= 7
     assert engine.stats().prefill_steps == 25 and engine.pool.stats().num_used == 0
     # a hybrid's full layers keep every block: 51 blocks for them, 7 for each sliding group
-    hybrid_engine = Engine(gemma3, block_size=BLOCK_SIZE, num_blocks=64, max_prefill_tokens=16)
+    hybrid_engine = Engine(gemma3, block_size=BLOCK_SIZE, num_blocks=64, max_prefill_tokens=16, exact=True)
     assert hybrid_engine.planner.blocks_to_run(400, chunk=16) == 51 + 2 * 7
     assert "needs 65 blocks of 8 tokens over its 3 layer groups" in hybrid_engine.scheduler.never_fits(400)
-    hybrid_engine = Engine(gemma3, block_size=BLOCK_SIZE, num_blocks=72, max_prefill_tokens=16)
+    hybrid_engine = Engine(gemma3, block_size=BLOCK_SIZE, num_blocks=72, max_prefill_tokens=16, exact=True)
     (output,) = hybrid_engine.generate([request], max_new_tokens=20, min_new_tokens=20, do_sample=False)
     alone = gemma3.generate(torch.tensor([request]), max_new_tokens=20, min_new_tokens=20, do_sample=False)
     assert output.token_ids == alone[0, 400:].tolist() and hybrid_engine.pool.stats().num_used == 0
@@ -351,7 +351,7 @@ def test_engine_on_a_hybrid_matches_generate_alone_and_holds_the_window(gemma2):
         gemma2.generate(torch.tensor([p]), max_new_tokens=120, min_new_tokens=120, do_sample=False)[0, len(p) :]
         for p in prompts
     ]
-    engine = Engine(gemma2, block_size=BLOCK_SIZE, num_blocks=4 * (full_blocks(27 + 120) + BOUND) + 8)
+    engine = Engine(gemma2, block_size=BLOCK_SIZE, num_blocks=4 * (full_blocks(27 + 120) + BOUND) + 8, exact=True)
     assert engine.planner.layout.windows == [None, WINDOW]
     with BlockMeter(gemma2, engine.cache) as meter:
         outputs = engine.generate(prompts, max_new_tokens=120, min_new_tokens=120, do_sample=False)
@@ -364,7 +364,7 @@ def test_engine_on_a_hybrid_matches_generate_alone_and_holds_the_window(gemma2):
 def test_engine_follows_a_skip_window_set_on_it(gemma2):
     request = prompt(20, seed=50)[0].tolist()
     alone = gemma2.generate(torch.tensor([request]), max_new_tokens=60, min_new_tokens=60, do_sample=False)
-    engine = Engine(gemma2, block_size=BLOCK_SIZE, num_blocks=64)
+    engine = Engine(gemma2, block_size=BLOCK_SIZE, num_blocks=64, exact=True)
     engine.skip_window = None  # keep every block
     with BlockMeter(gemma2, engine.cache) as meter:
         (output,) = engine.generate([request], max_new_tokens=60, min_new_tokens=60, do_sample=False)
@@ -380,7 +380,7 @@ def test_engine_on_a_hybrid_stays_exact_through_preemption(gemma2):
         gemma2.generate(torch.tensor([p]), max_new_tokens=100, min_new_tokens=100, do_sample=False)[0, len(p) :]
         for p in prompts
     ]
-    engine = Engine(gemma2, block_size=BLOCK_SIZE, num_blocks=60)
+    engine = Engine(gemma2, block_size=BLOCK_SIZE, num_blocks=60, exact=True)
     outputs = engine.generate(prompts, max_new_tokens=100, min_new_tokens=100, do_sample=False)
     assert [o.token_ids for o in outputs] == [a.tolist() for a in alone]
     stats = engine.stats()
@@ -392,7 +392,7 @@ def test_engine_on_a_hybrid_stays_exact_through_preemption(gemma2):
 def test_engine_on_a_hybrid_reuses_a_long_shared_prefix(gemma3):
     system = prompt(100, seed=20)[0].tolist()
     first, second = system + [5, 6, 7], system + [9, 10]
-    engine = Engine(gemma3, block_size=BLOCK_SIZE, num_blocks=256)
+    engine = Engine(gemma3, block_size=BLOCK_SIZE, num_blocks=256, exact=True)
     engine.generate([first], max_new_tokens=40, do_sample=False)
     (output,) = engine.generate([second], max_new_tokens=40, do_sample=False)
     alone = gemma3.generate(torch.tensor([second]), max_new_tokens=40, do_sample=False)[0, len(second) :]

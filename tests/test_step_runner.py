@@ -5,6 +5,7 @@ cannot serve (a compile error, changed weights, quantized pages)."""
 from __future__ import annotations
 
 import random
+import re
 import warnings
 
 import pytest
@@ -147,23 +148,83 @@ def test_a_model_that_does_not_pass_its_kwargs_to_attention_runs_eagerly(backend
 
 @pytest.mark.parametrize("value", ["yes", 1, None])
 def test_the_compile_option_is_checked_before_anything_is_built(value):
-    model = tiny_model("llama")
-    with pytest.raises(ValueError, match=f"compile must be True or False, got {value!r}"):
+    model, pools = tiny_model("llama"), len(hf_paged.live_pools())
+    with pytest.raises(ValueError, match=f"compile must be True, False or 'auto', got {value!r}"):
         hf_paged.Engine(model, compile=value)
+    assert len(hf_paged.live_pools()) == pools  # no pool was built
 
 
-def test_smollm2_compiled_engine_gives_the_eager_tokens(smollm2):
+def test_the_default_engine_compiles_its_steps_where_a_compiler_works(backend):
+    model = tiny_model("llama")
+    batch = prompts(6)
+    hf_paged.release_pool(model)
+    with hf_paged.Engine(model, block_size=4, num_blocks=512, exact=True) as exact:
+        expected = [o.token_ids for o in exact.generate(batch, max_new_tokens=10)]
+        assert exact.runner.compile is False and exact.runner.compiled_steps == 0
+    hf_paged.release_pool(model)
+    with hf_paged.Engine(model, block_size=4, num_blocks=512) as engine:  # compile="auto", exact=False
+        assert engine.runner.compile is True and engine.exact is False
+        assert [o.token_ids for o in engine.generate(batch, max_new_tokens=10)] == expected
+        assert engine.runner.compiled_steps == engine.runner.num_steps - 1 and engine.runner.graphs == 1
+
+
+@pytest.mark.parametrize(
+    "options, reason",
+    [
+        ({"exact": True}, "exact=True"),
+        ({"cpu_linear": "onednn"}, "cpu_linear='onednn'"),
+        ({"kv_dtype": "int8"}, "quantized pages"),
+        ({}, "inductor finds no C++ compiler"),
+    ],
+    ids=["exact", "packed-linears", "quantized-pages", "no-compiler"],
+)
+def test_auto_runs_eager_steps_where_compiled_ones_cannot_and_says_why(options, reason, monkeypatch, caplog):
+    from hf_paged.cpu_linear import onednn_available
+
+    if "cpu_linear" in options and not onednn_available():
+        pytest.skip("this torch has no oneDNN CPU matmul")
+    if not options:  # a machine without a C++ compiler: inductor's own search finds none
+        monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("hf-paged-no-such-compiler++",))
+    model = tiny_model("llama")
+    hf_paged.release_pool(model)
+    with caplog.at_level("INFO", logger="hf_paged.engine.step_runner"):
+        engine = hf_paged.Engine(model, block_size=4, num_blocks=128, **options)
+    with engine:
+        engine.generate(prompts(3), max_new_tokens=4)
+        assert engine.runner.compile is False and engine.runner.compiled_steps == 0
+    assert f"the Engine runs eager steps (compile='auto'): {reason}" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"exact": True, "compile": True}, "exact=True runs the eager steps, bit-exact with generate; compile=True"),
+        (
+            {"exact": True, "cpu_linear": "onednn"},
+            "exact=True keeps the model's own linear layers; cpu_linear='onednn'",
+        ),
+        ({"exact": "yes"}, "exact must be True or False, got 'yes'"),
+    ],
+)
+def test_exact_conflicts_are_refused_before_anything_is_built(options, message):
+    model, pools = tiny_model("llama"), len(hf_paged.live_pools())
+    with pytest.raises(ValueError, match=re.escape(message)):
+        hf_paged.Engine(model, **options)
+    assert len(hf_paged.live_pools()) == pools  # no pool was built
+
+
+def test_smollm2_default_engine_gives_the_exact_engines_tokens(smollm2):
     model, tokenizer = smollm2
     questions = ["What is the capital of France?", "Name three primary colors.", "Count from one to five."]
     chats = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False) for q in questions]
     runs = {}
-    for compile in (False, True):
+    for exact in (True, False):
         hf_paged.release_pool(model)
-        with hf_paged.Engine(model, tokenizer, num_blocks=256, compile=compile) as engine:
+        with hf_paged.Engine(model, tokenizer, num_blocks=256, exact=exact) as engine:
             outputs = engine.generate(chats, max_new_tokens=24)
-            runs[compile] = [o.token_ids for o in outputs], engine.runner.compiled_steps, engine.runner.graphs
-    assert runs[True][0] == runs[False][0]
-    assert runs[True][1] > 20 and runs[True][2] == 1
+            runs[exact] = [o.token_ids for o in outputs], engine.runner.compiled_steps, engine.runner.graphs
+    assert runs[False][0] == runs[True][0]
+    assert runs[True][1] == 0 and runs[False][1] > 20 and runs[False][2] == 1
 
 
 def test_compile_with_packed_linear_layers_is_refused_naming_both():

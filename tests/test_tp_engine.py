@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(not gloo_available(), reason="needs torch.distri
 
 WORLD_SIZE = 2
 NUM_REQUESTS = 64
-ENGINE_OPTIONS = {"block_size": 4, "num_blocks": 160, "max_batch_size": 24, "max_prefill_tokens": 256}
+ENGINE_OPTIONS = {"block_size": 4, "num_blocks": 160, "max_batch_size": 24, "max_prefill_tokens": 256, "exact": True}
 
 
 def requests() -> list[tuple[list[int], dict]]:
@@ -204,7 +204,7 @@ def test_the_job_is_quick(job):
 
 def test_a_distributed_engine_needs_a_process_group(llama):
     with pytest.raises(RuntimeError, match="torch.distributed initialized"):
-        DistributedEngine(hf_paged.Engine(llama, block_size=4, num_blocks=8))
+        DistributedEngine(hf_paged.Engine(llama, block_size=4, num_blocks=8, exact=True))
 
 
 def test_a_model_that_is_not_split_over_the_group_is_refused(tmp_path):
@@ -215,7 +215,7 @@ def test_a_model_that_is_not_split_over_the_group_is_refused(tmp_path):
 
 
 def unsplit_work(rank: int) -> None:
-    DistributedEngine(hf_paged.Engine(tiny_model("llama"), block_size=4, num_blocks=8))
+    DistributedEngine(hf_paged.Engine(tiny_model("llama"), block_size=4, num_blocks=8, exact=True))
 
 
 def test_stream_yields_each_token_and_closing_it_early_frees_every_rank(job):

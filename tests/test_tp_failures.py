@@ -35,7 +35,7 @@ def rank_work(rank: int, folder: str, victim: int, how: str, out_dir: str) -> No
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         model = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto").eval()
-    engine = hf_paged.Engine(model, block_size=4, num_blocks=64, progress=False)
+    engine = hf_paged.Engine(model, block_size=4, num_blocks=64, progress=False, exact=True)
     step = engine.step
 
     def failing_step():

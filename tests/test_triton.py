@@ -211,7 +211,7 @@ def test_left_padded_beam_search_through_the_triton_kernel_matches_dynamic_cache
 def test_engine_packed_steps_run_through_the_triton_kernel():
     model = tiny_model("llama")  # an SDPA model: the Engine of an eager one computes in eager math (gathers)
     engine = hf_paged.Engine(
-        model, block_size=16, num_blocks=64, progress=False, max_prefill_tokens=24, kernel="triton"
+        model, block_size=16, num_blocks=64, progress=False, max_prefill_tokens=24, kernel="triton", exact=True
     )
     prompts = [[5 + i] * length for i, length in enumerate([3, 30, 7, 2, 19])]
     outputs = engine.generate(prompts, [hf_paged.SamplingParams(max_new_tokens=5, eos_token_id=())] * 5)

@@ -34,7 +34,7 @@ from .routing import OutputRouter
 from .sampler import next_tokens, token_logprobs
 from .scheduler import Scheduler, Step
 from .stats import EngineStats, LatencyHistograms
-from .step_runner import StepRunner, check_compile
+from .step_runner import StepRunner, check_compile, resolve_compile
 from .text import TextTracker
 
 
@@ -69,9 +69,15 @@ class Engine:
         cpu_linear (`str`): `"stock"` (default) or `"onednn"`: pack the weights of the model's `nn.Linear` layers on
             the CPU once for oneDNN's matmul, much faster at decoding's small steps on some CPUs; outputs then differ
             from the unpacked model's by float rounding (see `hf_paged.cpu_linear`). `close()` unpacks them.
-        compile (`bool`): run packed steps through `torch.compile` of the model's forward (inductor), with the paged
-            attention and K/V writes as custom ops (see `engine.step_runner`); outputs then differ from eager
-            `generate`'s by float rounding. Compiling fails over to eager steps with one warning.
+        compile (`bool` or `"auto"`): run packed steps through `torch.compile` of the model's forward (inductor),
+            with the paged attention and K/V writes as custom ops (see `engine.step_runner`): the faster forward
+            (1.3-1.6x eager steps for SmolLM2-135M on 2 CPU cores, docs/benchmarks.md), whose outputs differ from
+            eager `generate`'s by float rounding. The first steps pay the compile (about a minute for a 135M model
+            on 2 CPU cores). `"auto"` (default): compiled unless `exact=True`, `cpu_linear="onednn"`, quantized
+            pages, a tensor-parallel model, or no compiler for the model's device (`engine.runner.compile` says
+            which). Compiling fails over to eager steps with one warning.
+        exact (`bool`): run the eager steps, whose tokens and logits are bit-exact with `generate`'s (default
+            `False`: compiled steps where `compile="auto"` finds them, see above).
         **cache_config: pool options (`block_size`, `num_blocks`, `max_memory`, `prefix_caching`, `kernel`,
             `kv_dtype` (`"int8"`, `"int4"`: quantized pages), ...), or
             `cache_config=` a dict or `PagedCacheConfig` of them, as `generate` takes it.
@@ -82,7 +88,7 @@ class Engine:
     >>> import hf_paged, torch
     >>> from hf_paged.reference_models import tiny_model
     >>> model = tiny_model("llama")
-    >>> engine = hf_paged.Engine(model, block_size=4, num_blocks=64)
+    >>> engine = hf_paged.Engine(model, block_size=4, num_blocks=64, exact=True)  # eager steps: generate's tokens
     >>> outputs = engine.generate([[1, 2, 3], [4, 5, 6, 7, 8]], max_new_tokens=4)
     >>> [len(o.token_ids) for o in outputs], outputs[0].finish_reason
     ([4, 4], 'length')
@@ -108,7 +114,8 @@ class Engine:
         max_adapters: int = 8,
         max_rank: int = 64,
         cpu_linear: str = "stock",
-        compile: bool = False,
+        compile: bool | str = "auto",
+        exact: bool = False,
         **cache_config,
     ):
         limits = {
@@ -125,12 +132,7 @@ class Engine:
                 f"({max_batch_size}): a step holds one token of every running request"
             )
         _check_cpu_linear(cpu_linear, model)
-        check_compile(compile)
-        if compile and cpu_linear != "stock":
-            raise ValueError(
-                f"compile=True with cpu_linear={cpu_linear!r}: compiled steps pack the linear weights themselves "
-                "(inductor's freezing), and Dynamo cannot trace hf_paged's packed layers; choose one"
-            )
+        check_compile(compile, exact, cpu_linear)
         reason = cache_not_taken(model)
         if reason is not None:
             raise NotImplementedError(f"the Engine cannot serve this model: {reason}")
@@ -162,6 +164,9 @@ class Engine:
         self._packed_linears = 0  # layers this engine packed (and unpacks on close)
         if cpu_linear == "onednn" and not packed_linears(model):
             self._packed_linears = pack_linears(model)
+        self.exact = exact
+        quantized = self.pool.storage.format.quantized
+        compile = resolve_compile(compile, exact, cpu_linear, model, quantized)
         self.runner = StepRunner(model, self.cache, self.adapters, self.pad_token_id, compile)
         self._lock = threading.RLock()
         self._requests: dict[str, Request] = {}

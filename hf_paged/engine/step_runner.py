@@ -33,6 +33,7 @@ import torch
 from ..compiling import (
     COMPILE_ERRORS,
     FIRST_STEP_ERRORS,
+    compiler_unavailable,
     counting_graphs,
     describe_error,
     fresh_function,
@@ -43,6 +44,7 @@ from ..forward import attention_implementation
 from ..kernels import ops
 from ..prefix import prefix_namespace
 from ..step_attention import STEP_ATTENTION_NAME, StepTensors, count_attention_calls, register_step_attention
+from ..tensor_parallel import tensor_parallel_placement
 from ..transfer import device_tensor
 
 logger = logging.getLogger(__name__)
@@ -51,11 +53,51 @@ COMPILE_BACKEND = "inductor"  # torch.compile's backend for compiled steps (test
 FREEZE = True  # inductor's freezing: weights folded into the graph (benchmarks/compiled_steps.py measures without)
 
 
-def check_compile(value) -> bool:
-    """`value` as an Engine's `compile` option, or `ValueError` naming it."""
-    if not isinstance(value, bool):
-        raise ValueError(f"compile must be True or False, got {value!r}")
+def check_compile(value, exact: bool = False, cpu_linear: str = "stock") -> bool | str:
+    """`value` as an Engine's `compile` option (`True`, `False` or `"auto"`) beside its `exact` and `cpu_linear`
+    options, or `ValueError` naming what conflicts."""
+    if not isinstance(value, bool) and value != "auto":
+        raise ValueError(f"compile must be True, False or 'auto', got {value!r}")
+    if not isinstance(exact, bool):
+        raise ValueError(f"exact must be True or False, got {exact!r}")
+    if exact and value is True:
+        raise ValueError(
+            "exact=True runs the eager steps, bit-exact with generate; compile=True runs compiled steps, whose outputs "
+            "differ from generate's by float rounding: choose one"
+        )
+    if exact and cpu_linear != "stock":
+        raise ValueError(
+            f"exact=True keeps the model's own linear layers; cpu_linear={cpu_linear!r} packs them, which changes "
+            "outputs by float rounding: choose one"
+        )
+    if value is True and cpu_linear != "stock":
+        raise ValueError(
+            f"compile=True with cpu_linear={cpu_linear!r}: compiled steps pack the linear weights themselves "
+            "(inductor's freezing), and Dynamo cannot trace hf_paged's packed layers; choose one"
+        )
     return value
+
+
+def resolve_compile(value, exact: bool, cpu_linear: str, model, quantized: bool) -> bool:
+    """Whether an Engine compiles its steps: `value` when a bool (checked by `check_compile`); for `"auto"` (the
+    default) yes where compiled steps are the faster forward and can run: not `exact`, the model's own linear layers
+    (`cpu_linear="stock"`), unquantized pages, no tensor parallelism, and a compiler for the model's device. The
+    reason for eager steps is logged at INFO."""
+    if value != "auto":
+        return value
+    device = model.get_input_embeddings().weight.device
+    reasons = {
+        "exact=True": exact,
+        f"cpu_linear={cpu_linear!r}": cpu_linear != "stock",
+        "quantized pages (compiled steps read unquantized ones)": quantized,
+        "a tensor-parallel model": tensor_parallel_placement(model).world_size > 1,
+    }
+    reason = next((reason for reason, applies in reasons.items() if applies), None)
+    reason = reason or compiler_unavailable(device)
+    if reason is not None:
+        logger.info("hf_paged: the Engine runs eager steps (compile='auto'): %s", reason)
+        return False
+    return True
 
 
 class StepRunner:
@@ -66,7 +108,7 @@ class StepRunner:
         cache (`BatchCache`): the engine's cache (its pool, kernel and running batch).
         adapters (`AdapterSet`): the engine's LoRA adapters.
         pad_token_id (`int`): the id right-aligned steps pad with.
-        compile (`bool`): compile packed steps.
+        compile (`bool`): compile packed steps (the Engine's `compile` option, resolved by `resolve_compile`).
 
     Attributes:
         compiled_steps, eager_steps (`int`): steps run each way.
@@ -92,7 +134,9 @@ class StepRunner:
         self.cache = cache
         self.adapters = adapters
         self.pad_token_id = pad_token_id
-        self.compile = check_compile(compile)
+        if not isinstance(compile, bool):
+            raise ValueError(f"StepRunner takes compile as True or False (see resolve_compile), got {compile!r}")
+        self.compile = compile
         self.device = model.get_input_embeddings().weight.device
         self.keep_last_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.compiled_steps = self.eager_steps = self.graphs = 0

@@ -43,7 +43,7 @@ class EngineLoop:
         >>> import asyncio
         >>> from hf_paged import Engine
         >>> from hf_paged.reference_models import tiny_model
-        >>> loop = EngineLoop(Engine(tiny_model("llama"), block_size=4, num_blocks=32))
+        >>> loop = EngineLoop(Engine(tiny_model("llama"), block_size=4, num_blocks=32, exact=True))
         >>> async def ask():
         ...     done = asyncio.get_running_loop().create_future()
         ...     def deliver(index, output):
