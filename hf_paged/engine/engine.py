@@ -69,15 +69,11 @@ class Engine:
         cpu_linear (`str`): `"stock"` (default) or `"onednn"`: pack the weights of the model's `nn.Linear` layers on
             the CPU once for oneDNN's matmul, much faster at decoding's small steps on some CPUs; outputs then differ
             from the unpacked model's by float rounding (see `hf_paged.cpu_linear`). `close()` unpacks them.
-        compile (`bool` or `"auto"`): run packed steps through `torch.compile` of the model's forward (inductor),
-            with the paged attention and K/V writes as custom ops (see `engine.step_runner`): the faster forward
-            (1.3-1.6x eager steps for SmolLM2-135M on 2 CPU cores, docs/benchmarks.md), whose outputs differ from
-            eager `generate`'s by float rounding. The first steps pay the compile (about a minute for a 135M model
-            on 2 CPU cores). `"auto"` (default): compiled unless `exact=True`, `cpu_linear="onednn"`, quantized
-            pages, a tensor-parallel model, or no compiler for the model's device (`engine.runner.compile` says
-            which). Compiling fails over to eager steps with one warning.
-        exact (`bool`): run the eager steps, whose tokens and logits are bit-exact with `generate`'s (default
-            `False`: compiled steps where `compile="auto"` finds them, see above).
+        compile (`bool` or `"auto"`): run packed steps through `torch.compile` of the model's forward (see
+            `engine.step_runner`): faster steps (docs/benchmarks.md) whose outputs differ from eager `generate`'s by
+            float rounding; the first steps pay the compile. `"auto"` (default): compiled unless `exact=True` or
+            compiled steps cannot run here (`step_runner.resolve_compile`; `engine.runner.compile` says which).
+        exact (`bool`): eager steps, bit-exact with `generate` (no compiling).
         **cache_config: pool options (`block_size`, `num_blocks`, `max_memory`, `prefix_caching`, `kernel`,
             `kv_dtype` (`"int8"`, `"int4"`: quantized pages), ...), or
             `cache_config=` a dict or `PagedCacheConfig` of them, as `generate` takes it.
@@ -118,30 +114,7 @@ class Engine:
         exact: bool = False,
         **cache_config,
     ):
-        limits = {
-            "max_batch_size": max_batch_size,
-            "max_prefill_tokens": max_prefill_tokens,
-            "max_num_batched_tokens": max_num_batched_tokens,
-        }
-        for name, value in limits.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if max_num_batched_tokens < max_batch_size:
-            raise ValueError(
-                f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_batch_size "
-                f"({max_batch_size}): a step holds one token of every running request"
-            )
-        _check_cpu_linear(cpu_linear, model)
-        check_compile(compile, exact, cpu_linear)
-        reason = cache_not_taken(model)
-        if reason is not None:
-            raise NotImplementedError(f"the Engine cannot serve this model: {reason}")
-        method = prompt_learning_method(model)
-        if method is not None:
-            raise NotImplementedError(
-                f"the Engine cannot serve a PEFT {method} model: it adds learned virtual tokens (or K/V) to every "
-                "forward, which the Engine's steps do not hold (adapters that change weights, such as LoRA, are served)"
-            )
+        _check_options(model, max_batch_size, max_prefill_tokens, max_num_batched_tokens, cpu_linear, compile, exact)
         self.adapters = AdapterSet(model, max_adapters, max_rank)
         self.model = model
         self.tokenizer = tokenizer
@@ -561,6 +534,36 @@ def _pad_token_id(model, tokenizer) -> int:
         if isinstance(value, int):
             return value
     return 0
+
+
+def _check_options(
+    model, max_batch_size, max_prefill_tokens, max_num_batched_tokens, cpu_linear, compile, exact
+) -> None:
+    """Refuse options out of range or in conflict, and models the Engine cannot serve, before anything is built."""
+    limits = {
+        "max_batch_size": max_batch_size,
+        "max_prefill_tokens": max_prefill_tokens,
+        "max_num_batched_tokens": max_num_batched_tokens,
+    }
+    for name, value in limits.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if max_num_batched_tokens < max_batch_size:
+        raise ValueError(
+            f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_batch_size "
+            f"({max_batch_size}): a step holds one token of every running request"
+        )
+    _check_cpu_linear(cpu_linear, model)
+    check_compile(compile, exact, cpu_linear)
+    reason = cache_not_taken(model)
+    if reason is not None:
+        raise NotImplementedError(f"the Engine cannot serve this model: {reason}")
+    method = prompt_learning_method(model)
+    if method is not None:
+        raise NotImplementedError(
+            f"the Engine cannot serve a PEFT {method} model: it adds learned virtual tokens (or K/V) to every "
+            "forward, which the Engine's steps do not hold (adapters that change weights, such as LoRA, are served)"
+        )
 
 
 def _check_cpu_linear(cpu_linear, model: torch.nn.Module) -> None:
