@@ -102,7 +102,7 @@ def test_the_engines_refusal_names_what_set_the_pools_size():
     engine = hf_paged.Engine(model, block_size=4, num_blocks=4, exact=True)
     (output,) = engine.generate([list(range(3, 19))], max_new_tokens=2)
     assert output.finish_reason == "error"
-    assert output.error.endswith("but the whole pool has 4 blocks, sized by Engine(num_blocks=4, exact=True)")
+    assert output.error.endswith("but the whole pool has 4 blocks, sized by Engine(num_blocks=4)")
 
 
 def test_a_lone_request_outgrowing_the_pool_ends_with_its_blocks_returned():

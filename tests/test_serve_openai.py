@@ -30,7 +30,8 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tiny_dir):
     options = ["--served-model-name", TINY, "--num-blocks", "1024", "--max-prefill-tokens", "8192"]
-    process = ServerProcess(tiny_dir, *options, "--exact", env={"HF_PAGED_API_KEY": API_KEY})  # the key from the environment
+    options += ["--exact"]  # eager steps: answers compared with generate's
+    process = ServerProcess(tiny_dir, *options, env={"HF_PAGED_API_KEY": API_KEY})  # the key from the environment
     yield process.base
     process.close()
 
