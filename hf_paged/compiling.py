@@ -18,22 +18,15 @@ COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.In
 FIRST_STEP_ERRORS = (RuntimeError, NotImplementedError, TypeError)
 
 
-def compiler_unavailable(device: torch.device) -> str | None:
-    """Why `torch.compile`'s inductor cannot build kernels for `device` here (no C++ compiler for a CPU, no Triton
-    for a GPU, another device), or `None` when it can."""
-    if device.type == "cpu":
-        from torch._inductor import cpp_builder
+def cpp_compiler_unavailable() -> str | None:
+    """Why inductor cannot build CPU kernels here (its own search finds no C++ compiler), or `None` when it can."""
+    from torch._inductor import cpp_builder
 
-        try:
-            cpp_builder.get_cpp_compiler()
-        except Exception as error:  # InvalidCxxCompiler, or a broken toolchain setting
-            return f"inductor finds no C++ compiler ({describe_error(error)})"
-        return None
-    if device.type in ("cuda", "xpu"):
-        from torch.utils._triton import has_triton
-
-        return None if has_triton() else f"inductor needs Triton for {device.type}, and it is not installed"
-    return f"the Engine compiles steps on cpu and cuda only, not on {device.type}"
+    try:
+        cpp_builder.get_cpp_compiler()
+    except Exception as error:  # InvalidCxxCompiler, or a broken toolchain setting
+        return f"inductor finds no C++ compiler ({describe_error(error)})"
+    return None
 
 
 def describe_error(error: BaseException) -> str:

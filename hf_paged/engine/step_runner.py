@@ -33,8 +33,8 @@ import torch
 from ..compiling import (
     COMPILE_ERRORS,
     FIRST_STEP_ERRORS,
-    compiler_unavailable,
     counting_graphs,
+    cpp_compiler_unavailable,
     describe_error,
     fresh_function,
     unattended_layers,
@@ -80,8 +80,9 @@ def check_compile(value, exact: bool = False, cpu_linear: str = "stock") -> bool
 
 def resolve_compile(value, exact: bool, cpu_linear: str, model, quantized: bool) -> bool:
     """Whether an Engine compiles its steps: `value` when a bool (checked by `check_compile`); for `"auto"` (the
-    default) yes where compiled steps are the faster forward and can run: not `exact`, the model's own linear layers
-    (`cpu_linear="stock"`), unquantized pages, no tensor parallelism, and a compiler for the model's device. The
+    default) yes where compiled steps are the measured faster forward and can run: not `exact`, the model's own
+    linear layers (`cpu_linear="stock"`), unquantized pages, no tensor parallelism, a model on the CPU (the only
+    device they have been measured on; `compile=True` asks for them elsewhere) and a C++ compiler for inductor. The
     reason for eager steps is logged at INFO."""
     if value != "auto":
         return value
@@ -91,9 +92,11 @@ def resolve_compile(value, exact: bool, cpu_linear: str, model, quantized: bool)
         f"cpu_linear={cpu_linear!r}": cpu_linear != "stock",
         "quantized pages (compiled steps read unquantized ones)": quantized,
         "a tensor-parallel model": tensor_parallel_placement(model).world_size > 1,
+        f"a model on {device.type} (compiled steps are measured faster on CPUs only so far; compile=True asks for "
+        "them)": device.type != "cpu",
     }
     reason = next((reason for reason, applies in reasons.items() if applies), None)
-    reason = reason or compiler_unavailable(device)
+    reason = reason or cpp_compiler_unavailable()
     if reason is not None:
         logger.info("hf_paged: the Engine runs eager steps (compile='auto'): %s", reason)
         return False

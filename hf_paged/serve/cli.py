@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the engine's steps through torch.compile (inductor; compiled at start-up, about a minute for a "
         "135M model on 2 CPU cores): 1.3-1.6x the tokens/s of eager steps on a CPU, outputs differ from eager "
         "generate by float rounding. Default: compiled where it can run (no --exact, --cpu-linear stock, unquantized "
-        "pages, --tp 1, a compiler for the device), eager otherwise",
+        "pages, --tp 1, the CPU, a C++ compiler), eager otherwise",
     )
     serve.add_argument(
         "--exact",
@@ -315,6 +315,8 @@ def check_serve_args(args) -> None:
 def _compile_now(engine) -> None:
     """Compile the engine's steps before the first request: two short requests of one token, generated to a few
     tokens (the first step runs eagerly, the next ones compile; the runner logs the compile time)."""
+    logger.info("hf_paged: compiling the engine's steps before serving (about a minute for a 135M model on 2 CPU "
+                "cores; --exact or --no-compile serve eager steps without compiling)")  # fmt: skip
     engine.generate([[engine.pad_token_id]] * 2, max_new_tokens=3)
 
 
