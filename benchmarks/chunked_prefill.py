@@ -32,7 +32,7 @@ def run(model, budget: int, step_budget: int | None, running: int, long: int, ne
     shorts = [torch.randint(3, vocab, (32,), generator=generator).tolist() for _ in range(running)]
     long_prompt = torch.randint(3, vocab, (long,), generator=generator).tolist()
     step = {} if step_budget is None else {"max_num_batched_tokens": step_budget}
-    engine = hf_paged.Engine(model, block_size=16, max_prefill_tokens=budget, prefix_caching=False, **step)
+    engine = hf_paged.Engine(model, block_size=16, max_prefill_tokens=budget, prefix_caching=False, exact=True, **step)
     options = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False}
     ids = [engine.add_request(p, **options) for p in shorts]
     started: set[str] = set()

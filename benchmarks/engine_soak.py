@@ -46,7 +46,9 @@ def main() -> None:
 
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(3, 128) for _ in range(rng.randint(1, 12))] for _ in range(400)]
-    engine = Engine(tiny_model("llama"), block_size=4, num_blocks=IN_FLIGHT * 5 // 2, max_batch_size=IN_FLIGHT)
+    engine = Engine(
+        tiny_model("llama"), block_size=4, num_blocks=IN_FLIGHT * 5 // 2, max_batch_size=IN_FLIGHT, exact=True
+    )
     if args.tracemalloc:
         tracemalloc.start()
     done, offered, rows, start = 0, 0, [], time.perf_counter()

@@ -110,8 +110,8 @@ def ceiling_seconds(model, forwards: list, vocab_size: int, with_context: bool =
 
 def run_engine(model, requests, budget_tokens: int, block_size: int, kernel: str = "auto", ceilings: bool = True):
     engine = hf_paged.Engine(
-        model, block_size=block_size, num_blocks=budget_tokens // block_size, progress=False, kernel=kernel
-    )
+        model, block_size=block_size, num_blocks=budget_tokens // block_size, progress=False, kernel=kernel, exact=True
+    )  # eager steps (their forward hooks count the positions); compiled steps: compiled_steps.py, vs_vllm_cpu.py
     params = [hf_paged.SamplingParams(max_new_tokens=n, eos_token_id=()) for _, n in requests]
     forwards, hook = record_forwards(model, engine)
     start = time.perf_counter()

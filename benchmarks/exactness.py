@@ -339,7 +339,7 @@ def engine_row(model, prompts, kv_dtype, max_new_tokens, fresh, label) -> list:
     """The Engine with `prefix_caching=False` serving all prompts together (one running batch, packed steps),
     against `generate` alone (`fresh`)."""
     hf_paged.release_pool(model)
-    engine = hf_paged.Engine(model, kv_dtype=kv_dtype, prefix_caching=False)
+    engine = hf_paged.Engine(model, kv_dtype=kv_dtype, prefix_caching=False, exact=True)
     outputs = engine.generate(
         [prompt[0].tolist() for prompt in prompts], max_new_tokens=max_new_tokens, do_sample=False
     )

@@ -32,7 +32,12 @@ from hf_paged.reference_models import random_lora
 def run_engine(model, requests, names, adapters, budget_tokens: int, block_size: int):
     """Every request on its adapter (`names[i]`, `None`: the model as it is), all in one Engine."""
     engine = hf_paged.Engine(
-        model, block_size=block_size, num_blocks=budget_tokens // block_size, progress=False, adapters=adapters
+        model,
+        block_size=block_size,
+        num_blocks=budget_tokens // block_size,
+        progress=False,
+        adapters=adapters,
+        exact=True,  # eager steps for every request, with or without an adapter: the method of docs/benchmarks.md
     )
     start = time.perf_counter()
     for (prompt, count), name in zip(requests, names):

@@ -71,7 +71,7 @@ def kv_bytes(engine) -> tuple[int, int]:
 
 def single(path: str, prompts, new_tokens: int, threads: int) -> dict:
     torch.set_num_threads(threads)
-    engine = hf_paged.Engine(load(path, tp=False).eval(), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+    engine = hf_paged.Engine(load(path, tp=False).eval(), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, exact=True)
     outputs, seconds = timed_generate(engine, prompts, new_tokens)
     return {"tokens": [o.token_ids for o in outputs], "seconds": seconds, "kv": [kv_bytes(engine)]}
 
