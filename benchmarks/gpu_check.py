@@ -20,8 +20,11 @@ kernels 13 s, exactness 10 s, decode 75 s with one timed run a shape, serving 93
    the median tokens/s, and the peak CUDA memory the runs added to the weights (cache, activations). Verdict:
    paged's speed over DynamicCache's and StaticCache's, no pass/fail.
 4. **serving**: the Engine vs `generate_batch` (transformers' continuous batching, flash-attn 2 where installed,
-   else SDPA) on the ShareGPT-like workload of benchmarks/engine_throughput.py: tokens/s, peak memory. Verdict: the
-   Engine's speed over generate_batch's, no pass/fail.
+   else SDPA) on the ShareGPT-like workload of benchmarks/engine_throughput.py: tokens/s, peak memory, for each of
+   `--engine-variants` (`exact`: eager steps; `graphs`: eager steps, decode steps replayed from CUDA graphs;
+   `compiled`: compiled steps; `compiled+graphs`: both; compiled and captured before the timed run), each
+   variant's tokens compared request by request with the first's. Verdict: the fastest Engine's speed over
+   generate_batch's, no pass/fail.
 
 Each part opens with a `setup` row (what it measures, on what) and ends with a `wall time` row; a part that raises
 prints one `failed` row (verdict `FAIL`) and the next part still runs.
@@ -64,6 +67,12 @@ KERNEL_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 BF16_SCORES_TOLERANCE = 2e-2
 
 Cells = tuple[str, str, str]  # (case, result, verdict): one row of a part
+ENGINE_VARIANTS = {  # the serving part's Engine options (tokens compared with the first variant run)
+    "exact": {"exact": True},
+    "compiled": {"compile": True, "cuda_graphs": False},
+    "graphs": {"compile": False, "cuda_graphs": True},
+    "compiled+graphs": {"compile": True, "cuda_graphs": True},
+}
 
 
 def synchronize() -> None:
@@ -363,17 +372,36 @@ def serving_part(args) -> Iterator[Cells]:
         f"{args.hidden} (random weights), block size {args.block_size}; each system: tokens/s, wall s, peak GiB",
         NO_VERDICT,
     )
-    engine = hf_paged.Engine(model, block_size=args.block_size, num_blocks=budget // args.block_size, progress=False)
     params = [hf_paged.SamplingParams(max_new_tokens=n, eos_token_id=()) for _, n in requests]
-    reset_peak()
-    start = time.perf_counter()
-    outputs = engine.generate([p for p, _ in requests], params)
-    synchronize()
-    elapsed = time.perf_counter() - start
-    engine_rate = sum(len(o.token_ids) for o in outputs) / elapsed
-    case = f"hf_paged Engine (kernel {engine.cache.kernel.backend})"
-    engine.close()
-    yield case, f"{engine_rate:,.0f} tok/s, {elapsed:.1f} s, {peak_gib(DEVICE):.1f} GiB", NO_VERDICT
+    engine_rate, reference = None, None
+    for variant in args.engine_variants if DEVICE == "cuda" else ["exact"]:  # graphs need CUDA
+        engine = hf_paged.Engine(
+            model, block_size=args.block_size, num_blocks=budget // args.block_size, progress=False,
+            **ENGINE_VARIANTS[variant],
+        )  # fmt: skip
+        if engine.runner.compile:  # compile (and capture) before timing, on two short requests
+            engine.generate([[1, 2, 3], [4, 5]], hf_paged.SamplingParams(max_new_tokens=4, eos_token_id=()))
+        reset_peak()
+        start = time.perf_counter()
+        outputs = engine.generate([p for p, _ in requests], params)
+        synchronize()
+        elapsed = time.perf_counter() - start
+        rate = sum(len(o.token_ids) for o in outputs) / elapsed
+        tokens = [o.token_ids for o in outputs]
+        reference = reference or tokens
+        same = sum(a == b for a, b in zip(tokens, reference))
+        runner = engine.runner
+        graphs = runner.decode_graphs
+        case = (
+            f"hf_paged Engine {variant} (kernel {engine.cache.kernel.backend}; {runner.compiled_steps} compiled, "
+            f"{runner.graph_steps} graph steps of {runner.num_steps}"
+            f"{'' if graphs is None else f', sizes {list(graphs.sizes)} captured in {graphs.capture_s:.1f} s'})"
+        )
+        engine.close()
+        first = args.engine_variants[0] if DEVICE == "cuda" else "exact"
+        result = f"{rate:,.0f} tok/s, {elapsed:.1f} s, {peak_gib(DEVICE):.1f} GiB; {same}/{len(tokens)} as {first}"
+        yield case, result, NO_VERDICT
+        engine_rate = max(engine_rate or 0.0, rate)
     hf_paged.disable()  # transformers' own continuous batching, untouched
     if version("flash_attn") != "not installed":
         model.set_attn_implementation("flash_attention_2")
@@ -388,7 +416,7 @@ def serving_part(args) -> Iterator[Cells]:
         hf_paged.enable()
     rate = generated / elapsed
     result = f"{rate:,.0f} tok/s, {elapsed:.1f} s, {peak_gib(DEVICE):.1f} GiB"
-    yield case, result, speed_ratio("Engine", engine_rate, "generate_batch", rate)
+    yield case, result, speed_ratio("Engine (fastest variant)", engine_rate, "generate_batch", rate)
 
 
 def run_parts(parts: dict[str, Callable[[], Iterator[Cells]]]) -> None:
@@ -421,6 +449,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--budget-tokens", type=int, default=65536)
     parser.add_argument("--scale", type=float, default=1.0, help="of the workload's lengths")
+    parser.add_argument(
+        "--engine-variants", nargs="+", default=["exact", "graphs", "compiled+graphs"], choices=list(ENGINE_VARIANTS),
+        help="the serving part's Engines (on the CPU smoke run: exact only)",
+    )  # fmt: skip
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     global DEVICE

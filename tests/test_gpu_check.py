@@ -74,8 +74,10 @@ def test_every_part_runs_on_tiny_cpu_shapes_into_one_table():
     verdict = r"paged \d+\.\d\dx DynamicCache; paged \d+\.\d\dx StaticCache"
     assert all(re.fullmatch(verdict, found) for _, _, found in decode)
     (engine, engine_result, _), (baseline, _, ratio) = by_part["serving"][1:-1]
-    assert engine.startswith("hf_paged Engine (kernel ") and " tok/s, " in engine_result
-    assert baseline.startswith("generate_batch (") and re.fullmatch(r"Engine \d+\.\d\dx generate_batch", ratio)
+    assert engine.startswith("hf_paged Engine exact (kernel ") and " 0 graph steps of " in engine
+    assert " tok/s, " in engine_result and engine_result.endswith("; 4/4 as exact")
+    assert baseline.startswith("generate_batch (")
+    assert re.fullmatch(r"Engine \(fastest variant\) \d+\.\d\dx generate_batch", ratio)
 
 
 def test_negative_control_the_verdicts_fail_beyond_their_tolerances():

@@ -34,7 +34,7 @@ from .routing import OutputRouter
 from .sampler import next_tokens, token_logprobs
 from .scheduler import Scheduler, Step
 from .stats import EngineStats, LatencyHistograms
-from .step_runner import StepRunner, check_compile, resolve_compile
+from .step_runner import StepRunner, check_compile, check_cuda_graphs, decode_graph_sizes, resolve_compile
 from .text import TextTracker
 
 
@@ -74,6 +74,9 @@ class Engine:
             float rounding; the first steps pay the compile. `"auto"` (default): compiled unless `exact=True` or
             compiled steps cannot run here (`step_runner.resolve_compile`; `engine.runner.compile` says which).
         exact (`bool`): eager steps, bit-exact with `generate` (no compiling).
+        cuda_graphs (`bool` or `"auto"`): replay decode steps from CUDA graphs captured per batch size (padded up
+            to the next captured size; `engine.decode_graphs`), over the compiled forward where steps compile.
+            `"auto"` (default): on for a CUDA model whose steps compile; `True` asks for them over eager steps too.
         **cache_config: pool options (`block_size`, `num_blocks`, `max_memory`, `prefix_caching`, `kernel`,
             `kv_dtype` (`"int8"`, `"int4"`: quantized pages), ...), or
             `cache_config=` a dict or `PagedCacheConfig` of them, as `generate` takes it.
@@ -112,9 +115,11 @@ class Engine:
         cpu_linear: str = "stock",
         compile: bool | str = "auto",
         exact: bool = False,
+        cuda_graphs: bool | str = "auto",
         **cache_config,
     ):
         _check_options(model, max_batch_size, max_prefill_tokens, max_num_batched_tokens, cpu_linear, compile, exact)
+        check_cuda_graphs(cuda_graphs, exact, model)
         self.adapters = AdapterSet(model, max_adapters, max_rank)
         self.model = model
         self.tokenizer = tokenizer
@@ -141,6 +146,8 @@ class Engine:
         quantized = self.pool.storage.format.quantized
         compile = resolve_compile(compile, exact, cpu_linear, model, quantized)
         self.runner = StepRunner(model, self.cache, self.adapters, self.pad_token_id, compile)
+        if cuda_graphs is True or (cuda_graphs == "auto" and compile and self.device.type == "cuda"):
+            self.runner.capture_decode_graphs(decode_graph_sizes(max_batch_size))
         self._lock = threading.RLock()
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -370,9 +377,10 @@ class Engine:
 
     def _forward(self, step: Step) -> torch.Tensor:
         self.cache.run(step.batch)
-        compiled = self.runner.compiled_steps
+        compiled, replayed = self.runner.compiled_steps, self.runner.graph_steps
         logits, positions = self.runner.forward(step, self._implementation)
-        self.recorder.forward(step, positions, self.runner.compiled_steps > compiled)
+        runner = self.runner
+        self.recorder.forward(step, positions, runner.compiled_steps > compiled, runner.graph_steps > replayed)
         return logits
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
@@ -508,6 +516,7 @@ class Engine:
             for request_id in list(self._requests):
                 self.abort(request_id)
             self._requests.clear()
+            self.runner.close()
             self.cache.detach()
             self.adapters.release_unused(())
             if self._packed_linears:

@@ -20,6 +20,7 @@ COUNTERS = (
     "positions_computed",
     "pad_positions",
     "compiled_steps",
+    "graph_steps",
 )
 
 
@@ -70,9 +71,11 @@ class StatsRecorder:
             r.row.num_tokens - count for r, count in zip(step.requests, step.new_tokens) if r in step.admitted
         )
 
-    def forward(self, step, positions: int, compiled: bool) -> None:
-        """A forward of `step` that computed `positions` positions, compiled or eagerly."""
+    def forward(self, step, positions: int, compiled: bool, replayed: bool = False) -> None:
+        """A forward of `step` that computed `positions` positions, compiled or eagerly, replayed from a decode
+        graph or not."""
         self.counters["compiled_steps"] += int(compiled)
+        self.counters["graph_steps"] += int(replayed)
         self.counters["positions_computed"] += positions
         self.counters["pad_positions"] += positions - sum(step.new_tokens)
 
@@ -147,4 +150,5 @@ class StatsRecorder:
             attention_kernel=kernel,
             attention_calls=attention_calls,
             compiled_steps=c["compiled_steps"],
+            graph_steps=c["graph_steps"],
         )

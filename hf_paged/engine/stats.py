@@ -33,6 +33,8 @@ class EngineStats:
         attention_calls (`dict[str, int]`): attention calls (per layer and step) by the backend that ran them, since
             the engine was created; eager steps only (a compiled step's attention runs inside its graph).
         compiled_steps (`int`): steps whose forward ran compiled (`Engine(compile=True)`; the others ran eagerly).
+        graph_steps (`int`): decode steps replayed from a captured graph (`Engine(cuda_graphs=...)`), compiled or
+            not.
     """
 
     num_requests: int
@@ -55,6 +57,7 @@ class EngineStats:
     attention_kernel: str = "gather"
     attention_calls: dict = field(default_factory=dict, repr=False)
     compiled_steps: int = 0
+    graph_steps: int = 0
 
     @property
     def pad_share(self) -> float:

@@ -46,6 +46,7 @@ from ..prefix import prefix_namespace
 from ..step_attention import STEP_ATTENTION_NAME, StepTensors, count_attention_calls, register_step_attention
 from ..tensor_parallel import tensor_parallel_placement
 from ..transfer import device_tensor
+from .decode_graphs import DEFAULT_SIZES, DecodeGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,26 @@ def resolve_compile(value, exact: bool, cpu_linear: str, model, quantized: bool)
     return True
 
 
+def check_cuda_graphs(value, exact: bool, model) -> bool | str:
+    """`value` as an Engine's `cuda_graphs` option (`True`, `False` or `"auto"`), or `ValueError` naming why not."""
+    if not isinstance(value, bool) and value != "auto":
+        raise ValueError(f"cuda_graphs must be True, False or 'auto', got {value!r}")
+    if value is True and exact:
+        raise ValueError(
+            "exact=True runs the eager steps, bit-exact with generate; cuda_graphs=True replays decode steps padded "
+            "to captured batch sizes, whose outputs differ from generate's by float rounding: choose one"
+        )
+    device = model.get_input_embeddings().weight.device
+    if value is True and device.type != "cuda":
+        raise ValueError(f"cuda_graphs=True needs a model on a CUDA device; this one is on {device}")
+    return value
+
+
+def decode_graph_sizes(max_batch_size: int) -> tuple[int, ...]:
+    """The batch sizes an Engine captures decode graphs for: `DEFAULT_SIZES` below `max_batch_size`, and it."""
+    return (*(size for size in DEFAULT_SIZES if size < max_batch_size), max_batch_size)
+
+
 class StepRunner:
     """Runs an Engine's planned steps through its model (see the module docstring).
 
@@ -115,6 +136,8 @@ class StepRunner:
 
     Attributes:
         compiled_steps, eager_steps (`int`): steps run each way.
+        graph_steps (`int`): decode steps replayed from `decode_graphs` (compiled or eager forward).
+        decode_graphs (`DecodeGraphs`, *optional*): the captured decode graphs (`capture_decode_graphs`).
         graphs (`int`): graphs compiled (a new one means the first step of its shapes' kind, or a recompilation).
         compile_s (`float`): seconds spent in compiled calls that compiled a graph.
         disabled (`str`, *optional*): why compiled steps stopped (a compile error), or `None`.
@@ -142,16 +165,39 @@ class StepRunner:
         self.compile = compile
         self.device = model.get_input_embeddings().weight.device
         self.keep_last_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self.compiled_steps = self.eager_steps = self.graphs = 0
+        self.compiled_steps = self.eager_steps = self.graphs = self.graph_steps = 0
         self.compile_s = 0.0
         self.disabled: str | None = None
         self._compiled = None
         self._weights: bytes = b""  # the weights the compiled forward folded in (`_weights_key`)
         self._checked = False  # a first step ran eagerly under the step attention and every layer attended once
+        self.decode_graphs: DecodeGraphs | None = None
+        self._graph_options: dict | None = None  # what `capture_decode_graphs` asked for, captured at first use
+        self._graph_weights: bytes = b""  # the weights the decode graphs were captured over
 
     @property
     def num_steps(self) -> int:
         return self.compiled_steps + self.eager_steps
+
+    def capture_decode_graphs(self, sizes=DEFAULT_SIZES, capture: str = "cuda", width: int | None = None) -> None:
+        """Replay decode steps of up to `max(sizes)` rows from graphs captured per size (`DecodeGraphs`), over the
+        compiled forward where steps compile, else the eager step forward. Captured at the first decode step after
+        the first step (every layer's pages then exist); `width`: block-table columns (default: the most blocks a
+        row of the model's longest context, or the whole pool, can hold). The Engine's `cuda_graphs` option calls
+        this on CUDA; `capture="eager"` runs the same buffers without recording (tests, any device)."""
+        if capture == "cuda" and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a model on a CUDA device; this one is on {self.device.type}")
+        if self.decode_graphs is not None:
+            self.decode_graphs.close()
+            self.decode_graphs = None
+        self._graph_options = {"sizes": sizes, "capture": capture, "width": width}
+
+    def close(self) -> None:
+        """Return what the runner holds in the pool (the decode graphs' scratch block; captured again at the next
+        decode step)."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.close()
+            self.decode_graphs = None
 
     # ------------------------------------------------------------------ one step
     def forward(self, step, implementation: str) -> tuple[torch.Tensor, int]:
@@ -181,7 +227,8 @@ class StepRunner:
     def _compiles(self, step, implementation: str) -> bool:
         """Whether `step` runs compiled: compiling is on and has not failed, the step is packed under the
         `"hf_paged"` attention, its requests use no adapter, and every layer's pages are allocated, unquantized."""
-        if not self.compile or self.disabled is not None or implementation != ATTENTION_NAME or self.model.training:
+        wanted = self.compile or self._graph_options is not None
+        if not wanted or self.disabled is not None or implementation != ATTENTION_NAME or self.model.training:
             return False
         if not _packable(step):
             return False
@@ -193,8 +240,9 @@ class StepRunner:
         return all(storage.has_layer(layer) for layer in range(len(self.cache.layers)))
 
     def _compiled_forward(self, step) -> torch.Tensor | None:
-        """The step's logits from the compiled forward (its first step: eagerly under the step attention, checking
-        the model), or `None` when compiling failed here (compiled steps are then disabled, with one warning)."""
+        """The step's logits from the compiled forward or a decode graph (the first step: eagerly under the step
+        attention, checking the model), or `None` when the step runs eagerly: compiling failed here (compiled steps
+        are then disabled, with one warning), or only graphs were asked for and this step has none."""
         input_ids, position_ids = self._packed_inputs(step).values()
         ends = list(itertools.accumulate(step.new_tokens))
         last = device_tensor([end - 1 for end in ends], self.device)
@@ -205,12 +253,20 @@ class StepRunner:
         with torch.inference_mode(), attention_implementation(self.model, STEP_ATTENTION_NAME):
             if not self._checked:
                 logits = self._first_step(input_ids, position_ids, last, tensors)
+            elif self._replays(tensors):
+                logits = self.decode_graphs.run(input_ids, position_ids, tensors)
+                self.graph_steps += 1
+            elif not self.compile:
+                return None
             else:
                 logits = self._run_compiled(input_ids, position_ids, last, tensors)
         if logits is None:
             return None
         self.cache.record_compiled_forward()
-        self.compiled_steps += 1
+        if self.compile:
+            self.compiled_steps += 1
+        else:
+            self.eager_steps += 1  # the eager step forward: the first step, or a decode graph's replay
         return logits
 
     def _first_step(self, input_ids, position_ids, last, tensors) -> torch.Tensor:
@@ -225,8 +281,39 @@ class StepRunner:
         if reason is not None:
             return self._disable(reason)
         self._checked = True
-        self._build()
+        if self.compile:
+            self._build()
         return logits
+
+    def _replays(self, tensors: StepTensors) -> bool:
+        """Whether this step replays a decode graph (capturing them first where they were asked for)."""
+        if self.decode_graphs is not None and self._graph_weights != self._weights_key():
+            self.decode_graphs.close()  # recorded over the weights as they were: captured again
+            self.decode_graphs = None
+        if self._graph_options is not None and self.decode_graphs is None:
+            if self.compile and self._weights_key() != self._weights:
+                self._build()
+            self._graph_weights = self._weights_key()
+            options = dict(self._graph_options)
+            width = options.pop("width") or self._graph_width()
+            self.decode_graphs = DecodeGraphs(
+                self._graph_forward, self.cache, width, pad_token_id=self.pad_token_id, **options
+            )
+        return self.decode_graphs is not None and self.decode_graphs.accepts(tensors)
+
+    def _graph_width(self) -> int:
+        """Block-table columns of the decode graphs: enough for the model's longest context, at most the pool."""
+        pool, context = self.cache.pool, getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        columns = pool.num_blocks if context is None else -(-context // pool.block_size)
+        return min(columns, pool.num_blocks)
+
+    def _graph_forward(self, input_ids, position_ids, last, tensors) -> torch.Tensor:
+        """The forward a decode graph records: the compiled one where steps compile, else the eager step forward."""
+        if self.compile and self.disabled is None:
+            ops.mark_varying((input_ids, (1,)), (position_ids, (1,)), (last, (0,)), *tensors.varying())
+            with torch._inductor.config.patch(freezing=FREEZE), counting_graphs(self, "the Engine's step forward"):
+                return self._compiled(self.model, self.keep_last_logits, input_ids, position_ids, last, tensors)
+        return _run_model(self.model, self.keep_last_logits, input_ids, position_ids, last, tensors)
 
     def _build(self) -> None:
         """A new compiled forward for the model's weights as they are now (inductor's freezing folds them into the

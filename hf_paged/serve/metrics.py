@@ -39,6 +39,7 @@ _SAMPLES = (  # name, kind, help
     ("hf_paged_engine_steps_by_forward_total", "counter", "Engine steps by forward: compiled or eager"),
     ("hf_paged_compiled_graphs_total", "counter", "Step graphs compiled (a new one after the first: a recompilation)"),
     ("hf_paged_compile_seconds_total", "counter", "Seconds spent compiling step graphs"),
+    ("hf_paged_decode_graph_replays_total", "counter", "Decode steps replayed from a captured graph, by size"),
     ("hf_paged_tp_world_size", "gauge", "Tensor-parallel ranks serving the model (1: one process)"),
     ("hf_paged_rank_kv_blocks_used", "gauge", "KV blocks in use in each rank's pool"),
     ("hf_paged_rank_kv_usage_ratio", "gauge", "Share of each rank's KV blocks in use"),
@@ -118,6 +119,9 @@ class MetricsSnapshot:
             values['hf_paged_engine_steps_by_forward_total{forward="eager"}'] = runner.eager_steps
             values["hf_paged_compiled_graphs_total"] = runner.graphs
             values["hf_paged_compile_seconds_total"] = runner.compile_s
+            graphs = runner.decode_graphs
+            for size in () if graphs is None else graphs.sizes:
+                values[f'hf_paged_decode_graph_replays_total{{size="{size}"}}'] = graphs.replays_by_size[size]
         states = getattr(engine, "rank_states", None) or [RankState.of(0, engine)]  # a DistributedEngine's ranks
         values["hf_paged_tp_world_size"] = len(states)
         for state in states:
