@@ -18,6 +18,7 @@ variant's.
 
     python benchmarks/compiled_steps.py --requests 200 --variants eager compiled compiled-unfrozen
     python benchmarks/compiled_steps.py --variants eager compiled --logprobs   # how far compiled is from eager
+    python benchmarks/compiled_steps.py --variants eager compiled --logprobs --kv-dtype int8   # quantized pages
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ import time
 VARIANT = re.compile(r"^(eager|compiled|compiled-unfrozen|compiled-(\d+)x(\d+))$")
 
 
-def run_variant(model, name: str, requests, warmup, budget_tokens: int, logprobs: bool = False) -> dict:
+def run_variant(
+    model, name: str, requests, warmup, budget_tokens: int, logprobs: bool = False, kv_dtype: str = "auto"
+) -> dict:
     import psutil
 
     import hf_paged
@@ -46,8 +49,9 @@ def run_variant(model, name: str, requests, warmup, budget_tokens: int, logprobs
     rss_before = psutil.Process().memory_info().rss
     begin = time.perf_counter()
     engine = hf_paged.Engine(
-        model, block_size=16, num_blocks=budget_tokens // 16, progress=False, compile=name != "eager", **limits
-    )
+        model, block_size=16, num_blocks=budget_tokens // 16, progress=False, compile=name != "eager",
+        kv_dtype=kv_dtype, **limits,
+    )  # fmt: skip
     extra = {"logprobs": 0} if logprobs else {}
     engine.generate(
         [p for p, _ in warmup], [hf_paged.SamplingParams(max_new_tokens=n, eos_token_id=()) for _, n in warmup]
@@ -103,6 +107,7 @@ def main() -> None:
         help="every request also reports its tokens' log-probabilities: the table adds the largest |difference| from "
         "the first variant's, over the tokens before each request's first different token",
     )
+    parser.add_argument("--kv-dtype", default="auto", choices=["auto", "int8", "int4"], help="how the pool stores K/V")
     args = parser.parse_args()
     for name in args.variants:
         if not VARIANT.match(name):
@@ -121,7 +126,8 @@ def main() -> None:
     requests = workload(args.requests, args.scale, args.max_length, vocab_size)
     warmup = [(prompt, min(n, 8)) for prompt, n in workload(4, args.scale, 32, vocab_size, seed=1)]
     results = {
-        name: run_variant(model, name, requests, warmup, args.budget_tokens, args.logprobs) for name in args.variants
+        name: run_variant(model, name, requests, warmup, args.budget_tokens, args.logprobs, args.kv_dtype)
+        for name in args.variants
     }
     first = results[args.variants[0]]
     rows = [
@@ -140,7 +146,7 @@ def main() -> None:
         for name, r in results.items()
     ]
     print(f"SmolLM2-135M (fp32); {environment()}")
-    print(f"{len(requests)} requests; KV budget {args.budget_tokens} tokens\n")
+    print(f"{len(requests)} requests; KV budget {args.budget_tokens} tokens; kv_dtype {args.kv_dtype}\n")
     headers = ["variant", "tokens/s", f"vs {args.variants[0]}", "wall s", "start-up s", "compiled", "compiled steps",
                "RSS growth MiB", f"requests equal to {args.variants[0]}'s"]  # fmt: skip
     if args.logprobs:

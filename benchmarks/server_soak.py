@@ -165,9 +165,10 @@ def main() -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     stem = str(folder.parent / "answer")
+    # --exact: eager steps, as the documented runs
     command = [sys.executable, "-c", SERVER, "serve", str(folder), "--served-model-name", MODEL, "--host",
                "127.0.0.1", "--port", str(port), "--num-blocks", "2048", "--log-level", "warning",
-               "--exact"]  # fmt: skip  (eager steps, as the documented runs)
+               "--exact"]  # fmt: skip
     env = {**os.environ, "HF_PAGED_SOAK_STEM": stem, **({"HF_PAGED_SOAK_TRACE": "1"} if args.trace else {})}
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env)
     snapshots, counts = [], {}

@@ -64,7 +64,8 @@ class StepTensors(NamedTuple):
 
     Attributes:
         kv (`tuple`): per layer, the `(key_cache, value_cache)` blocks of its lane,
-            `[num_blocks, block_size, kv_heads, head_dim]` (unquantized pages).
+            `[num_blocks, block_size, kv_heads, head_dim]`; quantized pages: `(key_codes, key_scales, value_codes,
+            value_scales)` (`hf_paged.kv_format`).
         slots (`tuple[torch.Tensor, ...]`): per layer group, int64 `[T]`: the slot every new token is stored in, in
             packed order.
         block_tables (`tuple[torch.Tensor, ...]`): per layer group, int32 `[rows, width]`.
@@ -73,6 +74,7 @@ class StepTensors(NamedTuple):
         group_of (`tuple[int, ...]`): the layer group of every layer.
         windows (`tuple[int | None, ...]`): the attention window of every layer (`None`: full attention).
         kernel (`str`): the `kernels.paged_attention` backend name (`"auto"`, `"cpu"`, `"gather"`, ...).
+        kv_dtype (`str`): how the pages store K/V (`"auto"`: the model's dtype; `"int8"`, `"int4"`: quantized).
     """
 
     kv: tuple
@@ -83,6 +85,7 @@ class StepTensors(NamedTuple):
     group_of: tuple
     windows: tuple
     kernel: str
+    kv_dtype: str = "auto"
 
     def varying(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
         """The dimensions that change from step to step (tokens, rows, table width), for `ops.mark_varying`."""
@@ -100,7 +103,7 @@ class StepTensors(NamedTuple):
         batch, layout, storage = cache.forward_batch, cache.layout, cache.pool.storage
         tables = [batch.kernel_tables(group.layers[0], device) for group in layout.groups]
         return cls(
-            kv=tuple(storage.layer_tensors(layer) for layer in range(len(layout.layer_windows))),
+            kv=pages_of(storage, len(layout.layer_windows)),
             slots=tuple(_own(addressing.write_slots.to(device)) for addressing in batch.groups),
             block_tables=tuple(_own(_padded(table, width)) for table, _ in tables),
             seq_lens=tuple(_own(lengths) for _, lengths in tables),
@@ -108,7 +111,22 @@ class StepTensors(NamedTuple):
             group_of=layout.group_of,
             windows=layout.layer_windows,
             kernel=cache.kernel.requested,
+            kv_dtype=storage.format.name,
         )
+
+
+def pages_of(storage, num_layers: int) -> tuple:
+    """`StepTensors.kv` of a pool's storage: per layer its K and V blocks, or their codes and scales."""
+    pages = []
+    for layer in range(num_layers):
+        key_cache, value_cache = storage.layer_tensors(layer)
+        quantized = storage.format.quantized
+        pages.append(
+            (key_cache.codes, key_cache.scales, value_cache.codes, value_cache.scales)
+            if quantized
+            else (key_cache, value_cache)
+        )
+    return tuple(pages)
 
 
 def _own(tensor: torch.Tensor) -> torch.Tensor:
@@ -157,23 +175,24 @@ def step_attention_forward(
     layer = module.layer_idx
     if not torch.compiler.is_compiling() and _calls is not None:
         _calls.append(layer)
-    key_cache, value_cache = step.kv[layer]
     group = step.group_of[layer]
     rows, num_heads, num_new, head_dim = query.shape
-    ops.write_kv(key_cache, value_cache, step.slots[group], _packed(key), _packed(value))
-    out = ops.paged_attention(
-        _packed(query),
-        key_cache,
-        value_cache,
-        step.block_tables[group],
-        step.seq_lens[group],
-        step.query_start,
-        head_dim**-0.5 if scaling is None else scaling,
-        step.windows[layer],
-        softcap,
-        s_aux,
-        step.kernel,
-    )
+    scale = head_dim**-0.5 if scaling is None else scaling
+    tables, lengths, window = step.block_tables[group], step.seq_lens[group], step.windows[layer]
+    if step.kv_dtype == "auto":
+        key_cache, value_cache = step.kv[layer]
+        ops.write_kv(key_cache, value_cache, step.slots[group], _packed(key), _packed(value))
+        out = ops.paged_attention(
+            _packed(query), key_cache, value_cache, tables, lengths, step.query_start, scale, window, softcap, s_aux,
+            step.kernel,
+        )  # fmt: skip
+    else:
+        pages = step.kv[layer]
+        ops.write_kv_quantized(*pages, step.slots[group], _packed(key), _packed(value), step.kv_dtype)
+        out = ops.paged_attention_quantized(
+            _packed(query), *pages, tables, lengths, step.query_start, scale, step.kv_dtype, window, softcap, s_aux,
+            step.kernel,
+        )  # fmt: skip
     return out.view(rows, num_new, num_heads, head_dim), None
 
 

@@ -56,6 +56,18 @@ def test_eager_replayed_graphs_give_the_exact_engines_tokens(family):
     assert engine.runner.eager_steps > 0  # steps of 5-6 rows and prompt steps: no graph
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_eager_replayed_graphs_over_quantized_pages_give_the_engines_tokens(compile, backend):
+    # pad rows store quantized codes and scales in the scratch block; compiled: the quantized ops inside the graph
+    model = tiny_model("llama")
+    batch = prompts(9, seed=6)
+    expected = tokens_of(engine_for(model, compile=compile, kv_dtype="int8"), batch)
+    engine = engine_for(model, compile=compile, kv_dtype="int8")
+    engine.runner.capture_decode_graphs(SIZES, capture="eager")
+    assert tokens_of(engine, batch) == expected
+    assert sum(engine.runner.decode_graphs.replays_by_size.values()) > 10
+
+
 def test_pad_rows_store_in_the_scratch_block_and_close_returns_it():
     model = tiny_model("llama")
     engine = engine_for(model, compile=False)

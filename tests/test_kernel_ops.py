@@ -108,3 +108,71 @@ def test_without_marking_the_varying_sizes_torch_compiles_again_negative_control
         rows, width = (3, 2) if index == 0 else (1 + index % 2, 1 + index % 3)
         run(compiled, random_step(rng, rows, width), "gather")
     assert counters["stats"]["unique_graphs"] > 1
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("kernel", ["cpu", "gather"])
+def test_the_quantized_ops_write_what_the_storage_writes_and_attend_as_the_kernels_do(kv_dtype, kernel):
+    from hf_paged import kernels
+    from hf_paged.kv_format import QuantizedPages, kv_format
+    from hf_paged.storage import KVStorage
+
+    fmt = kv_format(kv_dtype)
+    case = random_step(random.Random(3), rows=3, width=2)
+    storage = KVStorage(NUM_BLOCKS, BLOCK_SIZE, kv_format=fmt)
+    storage.write(0, case["slots"], case["keys"], case["values"])  # the eager steps' write
+    pages = [storage.keys[0].clone(), storage.key_scales[0].clone(), storage.values[0].clone()]
+    pages.append(storage.value_scales[0].clone())
+    written = [torch.zeros_like(page) for page in pages]
+    ops.write_kv_quantized(*written, case["slots"], case["keys"], case["values"], kv_dtype)
+    for ours, storages in zip(written, pages):  # the slots written (the storage's others hold what empty() gave)
+        rows = (NUM_BLOCKS * BLOCK_SIZE, *ours.shape[2:])
+        assert torch.equal(ours.view(rows)[case["slots"]], storages.view(rows)[case["slots"]])
+    pages = written  # zeros around the written slots: every block the tables name reads back finite
+
+    tables, lengths, starts = case["block_tables"], case["seq_lens"], case["query_start"]
+    out = ops.paged_attention_quantized(case["query"], *pages, tables, lengths, starts, 0.3, kv_dtype, 20, 5.0)
+    key_pages = QuantizedPages(fmt, pages[0], pages[1], torch.float32)
+    value_pages = QuantizedPages(fmt, pages[2], pages[3], torch.float32)
+    expected = kernels.paged_attention(
+        case["query"], key_pages, value_pages, tables, lengths, starts, scale=0.3, window=20, softcap=5.0,
+        kernel=kernel,
+    )  # fmt: skip
+    reference = ops.paged_attention_quantized(
+        case["query"], *pages, tables, lengths, starts, 0.3, kv_dtype, 20, 5.0, backend=kernel
+    )
+    assert torch.equal(reference, expected)
+    assert torch.allclose(out, expected, atol=1e-5)  # "auto" picks the in-place kernel or gathers
+    write_args = (*[page.clone() for page in pages], case["slots"], case["keys"], case["values"], kv_dtype)
+    torch.library.opcheck(ops.write_kv_quantized, write_args)
+    attention_args = (case["query"], *pages, tables, lengths, starts, 0.3, kv_dtype, 20, 5.0, None, kernel)
+    torch.library.opcheck(ops.paged_attention_quantized, attention_args)
+
+
+def test_the_quantized_ops_compile_into_one_graph_with_the_eager_outputs():
+    from hf_paged.kv_format import kv_format
+
+    torch._dynamo.reset()
+    counters.clear()
+    fmt = "int8"
+
+    def quantized_step(query, keys, values, pages, slots, block_tables, seq_lens, query_start):
+        ops.write_kv_quantized(*pages, slots, keys, values, fmt)
+        return ops.paged_attention_quantized(
+            query, *pages, block_tables, seq_lens, query_start, 0.3, fmt, None, None, None, backend="gather"
+        )
+
+    compiled = torch.compile(quantized_step, fullgraph=True, dynamic=False, backend="aot_eager")
+    rng = random.Random(4)
+    for _ in range(8):
+        case = random_step(rng, rng.randint(1, 4), rng.randint(1, 3))
+        codes, scales = kv_format(fmt).quantize(case["key_cache"])
+        pages = [codes, scales, codes.clone(), scales.clone()]
+        arguments = [case[n] for n in ("query", "keys", "values")]
+        rest = [case[n] for n in ("slots", "block_tables", "seq_lens", "query_start")]
+        expected_pages = [page.clone() for page in pages]
+        expected = quantized_step(*arguments, expected_pages, *rest)
+        varying(case)
+        out = compiled(*arguments, pages, *rest)
+        assert torch.equal(out, expected) and all(torch.equal(a, b) for a, b in zip(pages, expected_pages))
+    assert counters["stats"]["unique_graphs"] == 1 and counters["graph_break"] == {}

@@ -126,13 +126,20 @@ def test_changed_weights_are_compiled_again():
     assert engine.runner.graphs == 2
 
 
-def test_steps_the_compiled_forward_does_not_take_run_eagerly(backend):
-    model = tiny_model("llama")
-    batch = prompts(6)
-    tokens, _, engine = run(model, True, batch, kv_dtype="int8")  # quantized pages: codes and scales
-    assert engine.runner.compiled_steps == 0
-    reference, _, _ = run(model, False, batch, kv_dtype="int8")
-    assert tokens == reference
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_quantized_pages_run_compiled_with_the_eager_engines_tokens(family, kv_dtype):
+    # the quantized ops write codes and scales as the eager storage does, and the kernels read them the same way
+    model = tiny_model(family)
+    batch = prompts(12)
+    tokens, logprobs, _ = run(model, False, batch, kv_dtype=kv_dtype)
+    compiled_tokens, compiled_logprobs, engine = run(model, True, batch, kv_dtype=kv_dtype)
+    assert compiled_tokens == tokens
+    difference = max(abs(a - b) for row, other in zip(logprobs, compiled_logprobs) for a, b in zip(row, other))
+    assert difference < LOGPROB_TOLERANCE
+    runner = engine.runner
+    assert runner.compiled_steps == runner.num_steps - 1 and runner.graphs == 1 and runner.disabled is None
+    assert engine.pool.storage.format.name == kv_dtype
 
 
 def test_a_model_that_does_not_pass_its_kwargs_to_attention_runs_eagerly(backend):

@@ -38,7 +38,7 @@ from collections import Counter
 
 import torch
 
-from ..step_attention import StepTensors
+from ..step_attention import StepTensors, pages_of
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class _Buffers:
         """The `StepTensors` of these buffers over `cache`'s pages."""
         layout, storage = cache.layout, cache.pool.storage
         return StepTensors(
-            kv=tuple(storage.layer_tensors(layer) for layer in range(len(layout.layer_windows))),
+            kv=pages_of(storage, len(layout.layer_windows)),
             slots=tuple(self.slots),
             block_tables=tuple(self.tables),
             seq_lens=tuple(self.lengths),
@@ -122,6 +122,7 @@ class _Buffers:
             group_of=layout.group_of,
             windows=layout.layer_windows,
             kernel=cache.kernel.requested,
+            kv_dtype=storage.format.name,
         )
 
 

@@ -5,14 +5,13 @@ the model's inputs and runs the model:
 
 - **eager** (`compile=False`, bit-exact with `generate`): the model's own forward over the engine's `BatchCache`
   under the `"hf_paged"` attention, which finds the running `ForwardBatch` through the cache.
-- **compiled** (`compile=True`): a step whose pages are unquantized and whose requests use no LoRA adapter
-  runs as one packed sequence (a decode step's rows one token each, a mixed step's rows one after another)
+- **compiled** (`compile=True`): a step whose requests use no LoRA adapter runs as one packed sequence (a decode step's rows one token each, a mixed step's rows one after another)
   through `torch.compile(fullgraph=True)` of the model's forward under the `"hf_paged_step"` attention
   (`hf_paged.step_attention`), with every paged tensor of the step passed in as `StepTensors`: the compiled region
   takes only tensors. The sizes that change from step to step (tokens, rows, block-table width) are graph inputs
   (`ops.mark_varying`), so one graph serves every packed step of a model; the compiled forward's outputs differ from
   the eager one's by float rounding (inductor fuses and reorders operations). Other steps (the first, which
-  allocates the pool's tensors; steps with adapters; quantized pages; a stock attention's right-aligned steps, a
+  allocates the pool's tensors; steps with adapters; a stock attention's right-aligned steps, a
   right-aligned prefill with left pads) run eagerly. Where compiling fails (no C++ compiler for inductor, a model that
   breaks the graph), one warning names the error and every later step runs eagerly.
 
@@ -79,10 +78,12 @@ def check_compile(value, exact: bool = False, cpu_linear: str = "stock") -> bool
     return value
 
 
-def resolve_compile(value, exact: bool, cpu_linear: str, model, quantized: bool) -> bool:
+def resolve_compile(value, exact: bool, cpu_linear: str, model, quantized: bool = False) -> bool:
     """Whether an Engine compiles its steps: `value` when a bool (checked by `check_compile`); for `"auto"` (the
     default) yes where compiled steps are the measured faster forward and can run: not `exact`, the model's own
-    linear layers (`cpu_linear="stock"`), unquantized pages, no tensor parallelism, a model on the CPU (the only
+    linear layers (`cpu_linear="stock"`), unquantized pages (quantized pages compile with `compile=True`: their
+    compiled K/V round to other codes now and then, and their measured quality is the eager steps'), no tensor
+    parallelism, a model on the CPU (the only
     device they have been measured on; `compile=True` asks for them elsewhere) and a C++ compiler for inductor. The
     reason for eager steps is logged at INFO."""
     if value != "auto":
@@ -91,7 +92,7 @@ def resolve_compile(value, exact: bool, cpu_linear: str, model, quantized: bool)
     reasons = {
         "exact=True": exact,
         f"cpu_linear={cpu_linear!r}": cpu_linear != "stock",
-        "quantized pages (compiled steps read unquantized ones)": quantized,
+        "quantized pages (compiled K/V round to other codes now and then; compile=True compiles them)": quantized,
         "a tensor-parallel model": tensor_parallel_placement(model).world_size > 1,
         f"a model on {device.type} (compiled steps are measured faster on CPUs only so far; compile=True asks for "
         "them)": device.type != "cpu",
@@ -226,7 +227,8 @@ class StepRunner:
 
     def _compiles(self, step, implementation: str) -> bool:
         """Whether `step` runs compiled: compiling is on and has not failed, the step is packed under the
-        `"hf_paged"` attention, its requests use no adapter, and every layer's pages are allocated, unquantized."""
+        `"hf_paged"` attention, its requests use no adapter, and every layer's pages are allocated (quantized pages
+        too: `ops.write_kv_quantized`)."""
         wanted = self.compile or self._graph_options is not None
         if not wanted or self.disabled is not None or implementation != ATTENTION_NAME or self.model.training:
             return False
@@ -235,7 +237,7 @@ class StepRunner:
         if any(request.adapter is not None for request in step.requests):
             return False
         storage = self.cache.pool.storage
-        if storage.format.quantized or not all(layer.is_initialized for layer in self.cache.layers):
+        if not all(layer.is_initialized for layer in self.cache.layers):
             return False
         return all(storage.has_layer(layer) for layer in range(len(self.cache.layers)))
 

@@ -4,8 +4,9 @@
 `torch.ops.hf_paged.write_kv` stores new tokens' K/V into their slots of a layer's blocks, in place. Each has a fake
 (meta) implementation that only states the output's shape, so a compiled graph holds each as one opaque node: no
 graph break at the attention (the CPU kernel is a ctypes call, which Dynamo cannot trace) and no recompilation when
-the number of tokens changes (see `mark_varying`). Blocks stored unquantized only: quantized pages (codes and
-scales) are not tensors of one shape these ops take. Importing this module registers the ops.
+the number of tokens changes (see `mark_varying`). Quantized pages (`kv_dtype="int8"`/`"int4"`) have ops of their
+own, `paged_attention_quantized` and `write_kv_quantized`, which take each cache as its codes and scales and the
+format's name (the same quantization and kernels as eager steps). Importing this module registers the ops.
 
 Example:
 
@@ -28,9 +29,10 @@ Example:
 
 import torch
 
+from ..kv_format import QuantizedPages, kv_format
 from . import paged_attention as dispatch
 
-__all__ = ["mark_varying", "paged_attention", "write_kv"]
+__all__ = ["mark_varying", "paged_attention", "paged_attention_quantized", "write_kv", "write_kv_quantized"]
 
 
 # Defined with the low-level `torch.library.Library` API rather than `torch.library.custom_op`: the latter wraps every
@@ -44,6 +46,15 @@ _LIBRARY.define(
 )
 _LIBRARY.define(
     "write_kv(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slots, Tensor keys, Tensor values) -> ()"
+)
+_LIBRARY.define(
+    "paged_attention_quantized(Tensor query, Tensor key_codes, Tensor key_scales, Tensor value_codes, "
+    "Tensor value_scales, Tensor block_tables, Tensor seq_lens, Tensor query_start, float scale, str kv_dtype, "
+    "int? window=None, float? softcap=None, Tensor? sinks=None, str backend='auto') -> Tensor"
+)
+_LIBRARY.define(
+    "write_kv_quantized(Tensor(a!) key_codes, Tensor(b!) key_scales, Tensor(c!) value_codes, Tensor(d!) value_scales, "
+    "Tensor slots, Tensor keys, Tensor values, str kv_dtype) -> ()"
 )
 
 
@@ -76,8 +87,34 @@ def _write_kv(key_cache, value_cache, slots, keys, values) -> None:
     value_cache.view(-1, *values.shape[1:]).index_copy_(0, slots, values.to(value_cache.dtype))
 
 
+def _paged_attention_quantized(
+    query, key_codes, key_scales, value_codes, value_scales, block_tables, seq_lens, query_start, scale, kv_dtype,
+    window=None, softcap=None, sinks=None, backend="auto",
+):  # fmt: skip
+    """`hf_paged::paged_attention` over quantized pages (`kv_format`): each cache given as its codes and scales,
+    read back in `query`'s dtype."""
+    fmt = kv_format(kv_dtype)
+    key_cache = QuantizedPages(fmt, key_codes, key_scales, query.dtype)
+    value_cache = QuantizedPages(fmt, value_codes, value_scales, query.dtype)
+    return _paged_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start, scale, window, softcap, sinks, backend
+    )
+
+
+def _write_kv_quantized(key_codes, key_scales, value_codes, value_scales, slots, keys, values, kv_dtype) -> None:
+    """`hf_paged::write_kv` into quantized pages: every token's K and V quantized on its own (`KVFormat.quantize`,
+    as `KVStorage.write` does) and stored with its scale in slot `slots[i]`."""
+    fmt = kv_format(kv_dtype)
+    for tensor, codes, scales in ((keys, key_codes, key_scales), (values, value_codes, value_scales)):
+        new_codes, new_scales = fmt.quantize(tensor)
+        codes.view(-1, *new_codes.shape[1:]).index_copy_(0, slots, new_codes)
+        scales.view(-1, new_scales.shape[1]).index_copy_(0, slots, new_scales)
+
+
 _LIBRARY.impl("paged_attention", _paged_attention, "CompositeExplicitAutograd")
 _LIBRARY.impl("write_kv", _write_kv, "CompositeExplicitAutograd")
+_LIBRARY.impl("paged_attention_quantized", _paged_attention_quantized, "CompositeExplicitAutograd")
+_LIBRARY.impl("write_kv_quantized", _write_kv_quantized, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("hf_paged::paged_attention", lib=_LIBRARY)
@@ -93,8 +130,23 @@ def _(key_cache, value_cache, slots, keys, values) -> None:
     return None
 
 
+@torch.library.register_fake("hf_paged::paged_attention_quantized", lib=_LIBRARY)
+def _(
+    query, key_codes, key_scales, value_codes, value_scales, block_tables, seq_lens, query_start, scale, kv_dtype,
+    window=None, softcap=None, sinks=None, backend="auto",
+):  # fmt: skip
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("hf_paged::write_kv_quantized", lib=_LIBRARY)
+def _(key_codes, key_scales, value_codes, value_scales, slots, keys, values, kv_dtype) -> None:
+    return None
+
+
 paged_attention = torch.ops.hf_paged.paged_attention.default
 write_kv = torch.ops.hf_paged.write_kv.default
+paged_attention_quantized = torch.ops.hf_paged.paged_attention_quantized.default
+write_kv_quantized = torch.ops.hf_paged.write_kv_quantized.default
 
 
 def mark_varying(*tensor_dims: tuple[torch.Tensor, tuple[int, ...]]) -> None:
