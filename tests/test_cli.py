@@ -254,6 +254,24 @@ def test_compile_defaults_to_auto_and_exact_to_off():
     assert parse(["serve", "m", "--compile"]).compile is True
     assert parse(["serve", "m", "--no-compile"]).compile is False
     assert parse(["serve", "m", "--exact"]).exact is True
+    assert parse(["serve", "m"]).cuda_graphs is None and parse(["serve", "m", "--cuda-graphs"]).cuda_graphs is True
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--cuda-graphs", "--device", "cpu"], "--cuda-graphs needs a CUDA device; --device cpu"),
+        (["--cuda-graphs", "--tp", "2"], "--cuda-graphs runs one process's steps; with --tp 2 leave it off"),
+        (["--cuda-graphs", "--exact"], "--exact runs the eager steps, bit-exact with generate; --cuda-graphs"),
+    ],
+)
+def test_cuda_graphs_conflicts_are_usage_errors_before_the_model_loads(options, message, capsys):
+    from hf_paged.serve.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "/no/such/model/m", *options])  # the model path is never read
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -5,15 +5,19 @@ the model's inputs and runs the model:
 
 - **eager** (`compile=False`, bit-exact with `generate`): the model's own forward over the engine's `BatchCache`
   under the `"hf_paged"` attention, which finds the running `ForwardBatch` through the cache.
-- **compiled** (`compile=True`): a step whose requests use no LoRA adapter runs as one packed sequence (a decode step's rows one token each, a mixed step's rows one after another)
-  through `torch.compile(fullgraph=True)` of the model's forward under the `"hf_paged_step"` attention
+- **compiled** (`compile=True`): a step whose requests use no LoRA adapter runs as one packed sequence (a decode
+  step's rows one token each, a mixed step's rows one after another) through `torch.compile(fullgraph=True)` of the
+  model's forward under the `"hf_paged_step"` attention
   (`hf_paged.step_attention`), with every paged tensor of the step passed in as `StepTensors`: the compiled region
   takes only tensors. The sizes that change from step to step (tokens, rows, block-table width) are graph inputs
   (`ops.mark_varying`), so one graph serves every packed step of a model; the compiled forward's outputs differ from
   the eager one's by float rounding (inductor fuses and reorders operations). Other steps (the first, which
-  allocates the pool's tensors; steps with adapters; a stock attention's right-aligned steps, a
-  right-aligned prefill with left pads) run eagerly. Where compiling fails (no C++ compiler for inductor, a model that
-  breaks the graph), one warning names the error and every later step runs eagerly.
+  allocates the pool's tensors; steps with adapters; a stock attention's right-aligned steps, a right-aligned
+  prefill with left pads) run eagerly. Over quantized pages the write and the attention are the ops'
+  `*_quantized` variants (codes and scales). Decode steps may instead replay `DecodeGraphs` captured per batch
+  size (`capture_decode_graphs`; on CUDA through the Engine's `cuda_graphs`). Where compiling fails (no C++
+  compiler for inductor, a model that breaks the graph), one warning names the error and every later step runs
+  eagerly.
 
 Inductor keeps its generated kernels in its on-disk caches (`TORCHINDUCTOR_CACHE_DIR`); a frozen graph is still
 traced and frozen again in every process (about a minute for SmolLM2-135M on 2 CPU cores, docs/benchmarks.md).

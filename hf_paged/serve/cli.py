@@ -75,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         "unquantized pages, --tp 1, the CPU, a C++ compiler), eager otherwise",
     )
     serve.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="replay decode steps from CUDA graphs captured per batch size (a CUDA device; padded to the next "
+        "captured size). Default: on where the steps compile on CUDA (--compile), off otherwise",
+    )
+    serve.add_argument(
         "--exact",
         action="store_true",
         help="run the eager steps, whose tokens and logits are bit-exact with transformers' generate (no compiling)",
@@ -281,6 +288,11 @@ def check_serve_args(args) -> None:
             "--exact runs the eager steps, bit-exact with generate; --compile runs compiled steps, whose outputs "
             "differ by float rounding: choose one"
         )
+    if args.exact and args.cuda_graphs:
+        raise UsageError(
+            "--exact runs the eager steps, bit-exact with generate; --cuda-graphs replays decode steps padded to "
+            "captured batch sizes, whose outputs differ by float rounding: choose one"
+        )
     if args.exact and args.cpu_linear != "stock":
         raise UsageError(
             f"--exact keeps the model's own linear layers; --cpu-linear {args.cpu_linear} packs them, which changes "
@@ -297,6 +309,10 @@ def check_serve_args(args) -> None:
         )
     if args.compile and args.tp > 1:
         raise UsageError(f"--compile runs one process's steps; with --tp {args.tp} leave it off (--no-compile)")
+    if args.cuda_graphs and args.tp > 1:
+        raise UsageError(f"--cuda-graphs runs one process's steps; with --tp {args.tp} leave it off")
+    if args.cuda_graphs:
+        _check_cuda_graphs(args.device)
     if args.kernel not in (None, "auto", "gather"):
         _check_kernel(args.kernel, args.device, args.block_size)
     config = _check_model_path(args.model_path, args.gguf_file)
@@ -310,6 +326,16 @@ def check_serve_args(args) -> None:
     if args.max_memory is not None and shapes is not None:
         block_size = 16 if args.block_size == "auto" else args.block_size  # "auto": at least 16 (a lower bound)
         _check_memory(args.max_memory, block_size, args.dtype, shapes, args.kv_dtype or "auto")
+
+
+def _check_cuda_graphs(device: str | None) -> None:
+    """Refuse `--cuda-graphs` where the model will not be on a CUDA device."""
+    import torch
+
+    on = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.device(on).type != "cuda":
+        where = f"--device {device}" if device else "this machine has no CUDA device"
+        raise UsageError(f"--cuda-graphs needs a CUDA device; {where} (leave --cuda-graphs out)")
 
 
 def _compile_now(engine) -> None:
@@ -527,6 +553,7 @@ def serve(args) -> None:
             cpu_linear=args.cpu_linear,
             compile="auto" if args.compile is None else args.compile,
             exact=args.exact,
+            cuda_graphs="auto" if args.cuda_graphs is None else args.cuda_graphs,
             **pool_options,
         )
     except ValueError as error:  # a pool the options cannot size (--max-memory below one block, ...)
