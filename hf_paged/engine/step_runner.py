@@ -121,6 +121,12 @@ def check_cuda_graphs(value, exact: bool, model) -> bool | str:
     device = model.get_input_embeddings().weight.device
     if value is True and device.type != "cuda":
         raise ValueError(f"cuda_graphs=True needs a model on a CUDA device; this one is on {device}")
+    world_size = tensor_parallel_placement(model).world_size
+    if value is True and world_size > 1:
+        raise ValueError(
+            f"cuda_graphs=True captures one process's steps; this model is split over {world_size} tensor-parallel "
+            "ranks, whose steps run collectives: leave cuda_graphs out"
+        )
     return value
 
 
