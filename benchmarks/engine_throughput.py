@@ -176,9 +176,13 @@ def run_static(model, requests, budget_tokens: int, pad_token_id: int = 0):
     return elapsed, generated, peak, f"{len(batches)} batches of {min(sizes)}-{max(sizes)}", "-", "-", "-"
 
 
-def run_generate_batch(model, requests, budget_tokens: int, page_size: int):
+def run_generate_batch(model, requests, budget_tokens: int, page_size: int, use_cuda_graph: bool | None = None):
+    """transformers' continuous batching over `requests` (`use_cuda_graph`: its own CUDA graphs; `None`: its
+    default, on where the attention needs no mask)."""
     config = GenerationConfig(max_new_tokens=max(n for _, n in requests), do_sample=False, pad_token_id=0)
-    batching = ContinuousBatchingConfig(page_size=page_size, num_blocks=budget_tokens // page_size)
+    batching = ContinuousBatchingConfig(
+        page_size=page_size, num_blocks=budget_tokens // page_size, use_cuda_graph=use_cuda_graph
+    )
     results = {}
     start = time.perf_counter()
     with model.continuous_batching_context_manager(

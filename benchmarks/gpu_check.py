@@ -19,8 +19,8 @@ kernels 13 s, exactness 10 s, decode 75 s with one timed run a shape, serving 93
    each timed over `--repeats` more `generate`s of the shape after an untimed one (which compiles and allocates):
    the median tokens/s, and the peak CUDA memory the runs added to the weights (cache, activations). Verdict:
    paged's speed over DynamicCache's and StaticCache's, no pass/fail.
-4. **serving**: the Engine vs `generate_batch` (transformers' continuous batching, flash-attn 2 where installed,
-   else SDPA) on the ShareGPT-like workload of benchmarks/engine_throughput.py: tokens/s, peak memory, for each of
+4. **serving**: the Engine vs `generate_batch` (transformers' continuous batching with its own CUDA graphs,
+   flash-attn 2 where installed, else SDPA) on the ShareGPT-like workload of benchmarks/engine_throughput.py: tokens/s, peak memory, for each of
    `--engine-variants` (`exact`: eager steps; `graphs`: eager steps, decode steps replayed from CUDA graphs;
    `compiled`: compiled steps; `compiled+graphs`: both; compiled and captured before the timed run), each
    variant's tokens compared request by request with the first's. Verdict: the fastest Engine's speed over
@@ -405,10 +405,11 @@ def serving_part(args) -> Iterator[Cells]:
     hf_paged.disable()  # transformers' own continuous batching, untouched
     if version("flash_attn") != "not installed":
         model.set_attn_implementation("flash_attention_2")
-    case = f"generate_batch ({model.config._attn_implementation})"
+    graphs = DEVICE == "cuda"  # its own CUDA graphs on, as the Engine's decode graphs are
+    case = f"generate_batch ({model.config._attn_implementation}, use_cuda_graph={graphs})"
     reset_peak()
     try:
-        elapsed, generated, *_ = run_generate_batch(model, requests, budget, args.block_size)
+        elapsed, generated, *_ = run_generate_batch(model, requests, budget, args.block_size, graphs or None)
     except Exception as error:  # noqa: BLE001 (the baseline failing is reported; the Engine's row stands)
         yield case, f"failed: {type(error).__name__}: {error}"[:200], "n/a"
         return
