@@ -20,7 +20,8 @@ kernels 13 s, exactness 10 s, decode 75 s with one timed run a shape, serving 93
    the median tokens/s, and the peak CUDA memory the runs added to the weights (cache, activations). Verdict:
    paged's speed over DynamicCache's and StaticCache's, no pass/fail.
 4. **serving**: the Engine vs `generate_batch` (transformers' continuous batching with its own CUDA graphs,
-   flash-attn 2 where installed, else SDPA) on the ShareGPT-like workload of benchmarks/engine_throughput.py: tokens/s, peak memory, for each of
+   flash-attn 2 where installed, else SDPA) on the ShareGPT-like workload of benchmarks/engine_throughput.py:
+   tokens/s, peak memory, for each of
    `--engine-variants` (`exact`: eager steps; `graphs`: eager steps, decode steps replayed from CUDA graphs;
    `compiled`: compiled steps; `compiled+graphs`: both; compiled and captured before the timed run), each
    variant's tokens compared request by request with the first's. Verdict: the fastest Engine's speed over
