@@ -82,12 +82,10 @@ def check_compile(value, exact: bool = False, cpu_linear: str = "stock") -> bool
     return value
 
 
-def resolve_compile(value, exact: bool, cpu_linear: str, model, quantized: bool = False) -> bool:
+def resolve_compile(value, exact: bool, cpu_linear: str, model) -> bool:
     """Whether an Engine compiles its steps: `value` when a bool (checked by `check_compile`); for `"auto"` (the
     default) yes where compiled steps are the measured faster forward and can run: not `exact`, the model's own
-    linear layers (`cpu_linear="stock"`), unquantized pages (quantized pages compile with `compile=True`: their
-    compiled K/V round to other codes now and then, and their measured quality is the eager steps'), no tensor
-    parallelism, a model on the CPU (the only
+    linear layers (`cpu_linear="stock"`), no tensor parallelism, a model on the CPU (the only
     device they have been measured on; `compile=True` asks for them elsewhere) and a C++ compiler for inductor. The
     reason for eager steps is logged at INFO."""
     if value != "auto":
@@ -96,7 +94,6 @@ def resolve_compile(value, exact: bool, cpu_linear: str, model, quantized: bool 
     reasons = {
         "exact=True": exact,
         f"cpu_linear={cpu_linear!r}": cpu_linear != "stock",
-        "quantized pages (compiled K/V round to other codes now and then; compile=True compiles them)": quantized,
         "a tensor-parallel model": tensor_parallel_placement(model).world_size > 1,
         f"a model on {device.type} (compiled steps are measured faster on CPUs only so far; compile=True asks for "
         "them)": device.type != "cpu",
