@@ -123,6 +123,13 @@ class KVFormat:
         nibbles = (codes + 8).to(torch.uint8)  # 1..15, 8 is zero
         return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4), scales
 
+    def store(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor) -> None:
+        """Quantize `x` (`[tokens, heads, head_dim]`) and write token `i`'s codes and scales into slot `slots[i]` of
+        `codes` and `scales` (`[num_blocks, block_size, heads, ...]`), in place."""
+        new_codes, new_scales = self.quantize(x)
+        codes.view(-1, *new_codes.shape[1:]).index_copy_(0, slots, new_codes)
+        scales.view(-1, new_scales.shape[1]).index_copy_(0, slots, new_scales)
+
     def dequantize(
         self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, rotate_back: bool = True
     ) -> torch.Tensor:

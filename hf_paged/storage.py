@@ -158,9 +158,7 @@ class KVStorage:
             self.values[lane].view(-1, *values.shape[1:]).index_copy_(0, slots, values)
             return
         for tensor, codes, scales in ((keys, self.keys, self.key_scales), (values, self.values, self.value_scales)):
-            new_codes, new_scales = self.format.quantize(tensor)  # each token on its own: written once
-            codes[lane].view(-1, *new_codes.shape[1:]).index_copy_(0, slots, new_codes)
-            scales[lane].view(-1, new_scales.shape[1]).index_copy_(0, slots, new_scales)
+            self.format.store(tensor, codes[lane], scales[lane], slots)  # each token on its own: written once
 
     def gather(
         self, layer_idx: int, slot_map: torch.Tensor, head_index: torch.Tensor | None = None

@@ -296,19 +296,22 @@ class StepRunner:
 
     def _replays(self, tensors: StepTensors) -> bool:
         """Whether this step replays a decode graph (capturing them first where they were asked for)."""
-        if self.decode_graphs is not None and self._graph_weights != self._weights_key():
+        if self._graph_options is None:
+            return False
+        weights = self._weights_key()  # once a step: without prefix caching it samples every parameter
+        if self.decode_graphs is not None and self._graph_weights != weights:
             self.decode_graphs.close()  # recorded over the weights as they were: captured again
             self.decode_graphs = None
-        if self._graph_options is not None and self.decode_graphs is None:
-            if self.compile and self._weights_key() != self._weights:
+        if self.decode_graphs is None:
+            if self.compile and weights != self._weights:
                 self._build()
-            self._graph_weights = self._weights_key()
+            self._graph_weights = weights
             options = dict(self._graph_options)
             width = options.pop("width") or self._graph_width()
             self.decode_graphs = DecodeGraphs(
                 self._graph_forward, self.cache, width, pad_token_id=self.pad_token_id, **options
             )
-        return self.decode_graphs is not None and self.decode_graphs.accepts(tensors)
+        return self.decode_graphs.accepts(tensors)
 
     def _graph_width(self) -> int:
         """Block-table columns of the decode graphs: enough for the model's longest context, at most the pool."""

@@ -102,13 +102,11 @@ def _paged_attention_quantized(
 
 
 def _write_kv_quantized(key_codes, key_scales, value_codes, value_scales, slots, keys, values, kv_dtype) -> None:
-    """`hf_paged::write_kv` into quantized pages: every token's K and V quantized on its own (`KVFormat.quantize`,
-    as `KVStorage.write` does) and stored with its scale in slot `slots[i]`."""
+    """`hf_paged::write_kv` into quantized pages: every token's K and V quantized on its own and stored with its
+    scale in slot `slots[i]` (`KVFormat.store`, as `KVStorage.write` does)."""
     fmt = kv_format(kv_dtype)
-    for tensor, codes, scales in ((keys, key_codes, key_scales), (values, value_codes, value_scales)):
-        new_codes, new_scales = fmt.quantize(tensor)
-        codes.view(-1, *new_codes.shape[1:]).index_copy_(0, slots, new_codes)
-        scales.view(-1, new_scales.shape[1]).index_copy_(0, slots, new_scales)
+    fmt.store(keys, key_codes, key_scales, slots)
+    fmt.store(values, value_codes, value_scales, slots)
 
 
 _LIBRARY.impl("paged_attention", _paged_attention, "CompositeExplicitAutograd")
