@@ -277,11 +277,9 @@ def test_stream_include_usage_sends_a_final_usage_chunk(client, chat):
 
 
 REFUSED = {  # field -> extra body; each needs a 400 naming that field
-    "tools": {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
     "tool_choice": {"tool_choice": "auto"},
     "functions": {"functions": [{"name": "f", "parameters": {}}]},
     "function_call": {"function_call": "auto"},
-    "response_format": {"response_format": {"type": "json_object"}},
     "top_logprobs": {"top_logprobs": 2},  # without logprobs
     "stream_options": {"stream_options": {"include_usage": True}},  # without stream
     "modalities": {"modalities": ["audio"]},

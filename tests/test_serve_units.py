@@ -109,18 +109,15 @@ def test_a_surrogate_deep_in_chat_messages_is_located():
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"tools": [{"type": "function"}]}, "tools"),
-        ({"parallel_tool_calls": True}, "parallel_tool_calls"),
-        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"functions": [{"name": "f"}]}, "functions"),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"audio": {"voice": "x"}}, "audio"),
         ({"messages": [{"role": "user", "content": "hi", "name": "ann"}]}, "messages.0.name"),
         (
-            {"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "b", "tool_call_id": "1"}]},
-            "messages.1.tool_call_id",
+            {"messages": [{"role": "user", "content": "a", "tool_calls": [{"id": "1"}]}]},
+            "messages.0.tool_calls",
         ),
-        ({"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}]}, "messages.1.role"),
     ],
 )
 def test_fields_that_cannot_be_honoured_are_named(fields, param):

@@ -3,10 +3,13 @@ client (and raw HTTP for what the client cannot send)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
@@ -180,6 +183,54 @@ def test_32_concurrent_streaming_clients_share_the_batch(server, client):
     assert not errors and len(results) == 32
     assert peak > 1  # requests were decoded together
     wait_for_idle(server)
+
+
+NAME = {"type": "string", "maxLength": 40}
+PERSON = {
+    "type": "object",
+    "properties": {"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}, "city": NAME},
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+JOBS = ["teacher", "pilot", "baker", "nurse", "farmer", "painter", "chef", "doctor", "singer", "writer", "plumber",
+        "dancer", "lawyer", "sailor", "poet", "driver", "tailor", "miner", "judge", "actor"]  # fmt: skip
+
+
+def test_20_of_20_json_schema_replies_validate(server, client):
+    """SmolLM2 asked for a person as JSON, 20 clients at once with OpenAI's `response_format` json_schema: every
+    reply parses and validates (without the schema 6 of these 20 do: benchmarks/structured_outputs.py)."""
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+    def ask(job: str) -> str:
+        content = f"Invent a {job} and give their name, age and city as a JSON object."
+        messages = [{"role": "user", "content": content}]
+        reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=80, temperature=0,
+                                               response_format=response_format)  # fmt: skip
+        assert reply.choices[0].finish_reason == "stop"
+        return reply.choices[0].message.content
+
+    with ThreadPoolExecutor(max_workers=len(JOBS)) as pool:
+        replies = list(pool.map(ask, JOBS))
+    for reply in replies:
+        jsonschema.validate(json.loads(reply), PERSON)
+    wait_for_idle(server)
+
+
+def test_a_required_tool_call_names_the_tool_and_its_argument(client):
+    """SmolLM2 asked for the weather with two tools and `tool_choice: "required"`: one call of the right tool with the
+    city of the question (greedy), parsed into `tool_calls`."""
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}}, "required": ["city"]}
+    zone = {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 40}}, "required": ["timezone"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                               "parameters": city}},
+             {"type": "function", "function": {"name": "get_time", "description": "Current time in a timezone",
+                                               "parameters": zone}}]  # fmt: skip
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice="required",
+                                           temperature=0, max_tokens=80)  # fmt: skip
+    assert reply.choices[0].finish_reason == "tool_calls" and reply.choices[0].message.content is None
+    [call] = reply.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
 
 
 def test_a_client_disconnect_aborts_its_request(server):

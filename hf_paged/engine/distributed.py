@@ -415,6 +415,8 @@ class DistributedEngine:
         else:
             config = generation_config if generation_config is not None else self.engine.model.generation_config
             params = SamplingParams.from_generation_config(config, **options)
+        if params.response_format is not None:  # every rank would need the tokenizer and the same matcher states
+            raise ValueError("response_format is not supported by the tensor-parallel engine yet; serve on one device")
         if params.do_sample and params.seed is None:  # drawn here, so that every rank seeds the same generator
             params = params.with_seed(int(torch.randint(0, 2**62, (1,))))
         return params

@@ -17,6 +17,7 @@ from ..config import ATTENTION_NAME, PagedCacheConfig
 from ..cpu_linear import check_cpu_linear, onednn_available, pack_linears, packed_linears, unpack_linears
 from ..forward import EAGER, own_attention, paged_attention_for
 from ..planner import ForwardPlanner
+from ..structured.grammar import DEAD_END, accept_all, request_constraint
 from ..support import cache_not_taken, check_cache_kept, prompt_learning_method
 from .params import SamplingParams
 from .prompts import (
@@ -36,6 +37,11 @@ from .scheduler import Scheduler, Step
 from .stats import EngineStats, LatencyHistograms
 from .step_runner import StepRunner, check_compile, check_cuda_graphs, decode_graph_sizes, resolve_compile
 from .text import TextTracker
+
+DEAD_END_MESSAGE = (
+    "structured output reached a dead end: no token continues the response format under the request's other options "
+    "(min_new_tokens, logit_bias)"
+)
 
 
 class Engine:
@@ -209,8 +215,9 @@ class Engine:
 
         Options are `SamplingParams` fields (`max_new_tokens`, `do_sample`, `temperature`, `top_k`, `top_p`,
         `repetition_penalty`, `eos_token_id`, `stop`/`stop_strings`, `seed`, `min_new_tokens`,
-        `frequency_penalty`, `presence_penalty`, `logit_bias`, `logprobs`) over `generation_config` (default: the
-        model's).
+        `frequency_penalty`, `presence_penalty`, `logit_bias`, `logprobs`, `response_format`) over
+        `generation_config` (default: the model's). A `response_format` is compiled here: one that cannot be honoured
+        raises `ResponseFormatError` (a `ValueError`) and nothing is queued.
         """
         params = sampling_params(generation_config, options, self.model.generation_config)
         bad_bias = [token for token, _ in params.logit_bias if token >= self.vocab_size]
@@ -221,6 +228,9 @@ class Engine:
         prompt_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size, self.max_context)
         if params.stop:
             check_stop_strings(params.stop, self.tokenizer)
+        response_format, constraint = params.response_format, None
+        if response_format is not None:
+            constraint = request_constraint(self.tokenizer, self.vocab_size, response_format, params.eos_token_id)
         generator = None
         if params.do_sample:
             if params.seed is None:
@@ -235,7 +245,7 @@ class Engine:
                 raise ValueError(f"request id {request_id!r} is already in use")
             lora = None if adapter is None else self.adapters.get(adapter)
             text = None if self.tokenizer is None else TextTracker(self.tokenizer, params.stop, prompt_ids)
-            request = Request(request_id, prompt_ids, params, text, generator, adapter=lora)
+            request = Request(request_id, prompt_ids, params, text, generator, adapter=lora, constraint=constraint)
             self._requests[request_id] = request
             if params.max_new_tokens == 0:
                 request.finish("length")
@@ -359,7 +369,12 @@ class Engine:
                 self.scheduler.finish(request, "error", f"{type(error).__name__}: {error}")
             raise
         self.recorder.stepped(step)
+        constrained = [i for i, r in enumerate(sampled) if r.constraint is not None and tokens[i] != DEAD_END]
+        accept_all([sampled[i].constraint for i in constrained], [tokens[i] for i in constrained])  # their masks'
         for request, token, logprob in zip(sampled, tokens, logprobs):
+            if token == DEAD_END:
+                self.scheduler.finish(request, "error", DEAD_END_MESSAGE)
+                continue
             previous = request.last_token_time
             try:
                 request.append_token(token, logprob)
@@ -389,6 +404,8 @@ class Engine:
             return "stop"
         if request.text is not None and request.text.stopped:
             return "stop"
+        if request.constraint is not None and request.constraint.terminated:
+            return "stop"  # the response format is complete (with no end-of-sequence token to wait for)
         if generated >= params.max_new_tokens:
             return "length"
         if self.max_context is not None and request.num_tokens >= self.max_context:

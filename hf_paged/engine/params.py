@@ -8,6 +8,8 @@ from difflib import get_close_matches
 
 from transformers import GenerationConfig
 
+from ..structured.formats import ResponseFormat
+
 _FROM_GENERATION_CONFIG = (
     "max_new_tokens",
     "min_new_tokens",
@@ -77,6 +79,10 @@ class SamplingParams:
         logprobs (`int`, *optional*): report each generated token's log-probability under the model's distribution
             (the raw logits, before penalties, bias and temperature) and the `logprobs` most likely tokens at that
             position; `None`: report nothing.
+        response_format (`ResponseFormat`, *optional*): what the output must be (a JSON schema, JSON, a regex, a
+            choice, a grammar; OpenAI's `response_format` object or a pydantic model class are accepted): tokens
+            that would leave it are masked before sampling, and the request ends once the output is complete (with
+            an end-of-sequence token when it has `eos_token_id`s). Needs the engine's tokenizer and xgrammar.
 
     Example:
 
@@ -108,8 +114,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     logprobs: int | None = None
+    response_format: ResponseFormat | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "response_format", ResponseFormat.parse(self.response_format))
         object.__setattr__(self, "eos_token_id", _as_tuple(self.eos_token_id, int, "eos_token_id"))
         object.__setattr__(self, "stop", _as_tuple(self.stop, str, "stop"))
         object.__setattr__(self, "logit_bias", _as_bias(self.logit_bias))
@@ -176,7 +184,8 @@ class SamplingParams:
 
     @property
     def uses_processors(self) -> bool:
-        """Whether next-token choice needs more than an argmax over the logits."""
+        """Whether next-token choice needs more than an argmax over the logits (masked first with a
+        `response_format`)."""
         return (
             self.do_sample
             or self.repetition_penalty != 1.0

@@ -11,6 +11,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 
 from ..adapters import LoraAdapter
 from ..rows import Row
+from ..structured.grammar import TokenConstraint
 from .params import SamplingParams
 from .text import TextTracker
 
@@ -91,6 +92,7 @@ class Request:
     generator: torch.Generator | None = None
     adapter: LoraAdapter | None = None  # the LoRA adapter it runs on (None: the base model)
     processors: LogitsProcessorList | None = None  # next-token processors, built on first use (`sampler`)
+    constraint: TokenConstraint | None = None  # where its output is in its response format's grammar
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # one per output token, when `params.logprobs` is set
     status: RequestStatus = RequestStatus.WAITING

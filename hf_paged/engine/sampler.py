@@ -17,6 +17,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from ..structured.grammar import DEAD_END, mask_logits
 from .params import SamplingParams
 from .penalties import FrequencyPresencePenaltyLogitsProcessor, LogitBiasLogitsProcessor
 from .request import Request, TokenLogprob
@@ -50,20 +51,32 @@ def logits_processors(params: SamplingParams, prompt_length: int) -> LogitsProce
 
 
 def next_tokens(requests: list[Request], logits: torch.Tensor) -> list[int]:
-    """One token per request from `logits` (`[batch, vocab]`, the last position of each row)."""
+    """One token per request from `logits` (`[batch, vocab]`, the last position of each row); `DEAD_END` for a
+    request whose response format, penalties and bias together leave no token."""
     logits = logits.float()
     chosen = logits.argmax(dim=-1).tolist()
+    constrained = [index for index, request in enumerate(requests) if request.constraint is not None]
+    masked = {}
+    if constrained:  # one bitmask for every constrained row; the raw logits stay for log-probabilities
+        rows = mask_logits(logits[constrained], [requests[index].constraint for index in constrained])
+        best_values, best = rows.max(dim=-1)
+        for position, (index, value, token) in enumerate(zip(constrained, best_values.tolist(), best.tolist())):
+            chosen[index] = DEAD_END if value == float("-inf") else token
+            masked[index] = rows[position : position + 1]
     for index, request in enumerate(requests):
         params = request.params
         if not params.uses_processors:
             continue
-        row = logits[index : index + 1]
+        row = masked.get(index, logits[index : index + 1])
         if request.processors is None:  # built once per request
             request.processors = logits_processors(params, len(request.prompt_token_ids))
         processors = request.processors
         if processors:
             ids = torch.tensor([request.token_ids], dtype=torch.long, device=logits.device)
             row = processors(ids, row)
+        if index in masked and row.amax() == float("-inf"):
+            chosen[index] = DEAD_END
+            continue
         if params.do_sample:
             probs = torch.softmax(row, dim=-1)
             chosen[index] = int(torch.multinomial(probs, 1, generator=request.generator))

@@ -1,10 +1,12 @@
 """Request bodies of the OpenAI-compatible API: the fields this server honours, and a 400 naming any other.
 
-Fields OpenAI defines that the server cannot honour exactly (`tools`, `response_format` other than text, ...) are
-refused rather than ignored: `unsupported_fields` names them. `user` is accepted and ignored (it only labels the
-request); `min_tokens` is an extension (vLLM's name) that suppresses end-of-sequence tokens until that many tokens
-were generated. Types are strict, as OpenAI's: `"3"` or `true` is not an integer, `"yes"` not a boolean; `null`
-stands for a field's default, as it does in OpenAI's API (its Python client sends `null` for `None`).
+Fields OpenAI defines that the server cannot honour exactly (`tools`, ...) are refused rather than ignored:
+`unsupported_fields` names them. `response_format` (chat and completions) and the `structured_outputs` extension
+(vLLM's shape) constrain the output; `hf_paged.structured.ResponseFormat` reads and checks them. `user` is accepted
+and ignored (it only labels the request); `min_tokens` is an extension (vLLM's name) that suppresses end-of-sequence
+tokens until that many tokens were generated. Types are strict, as OpenAI's: `"3"` or `true` is not an integer,
+`"yes"` not a boolean; `null` stands for a field's default, as it does in OpenAI's API (its Python client sends
+`null` for `None`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions `logprobs`
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat `top_logprobs`
 MAX_LOGIT_BIAS_ENTRIES = 300  # entries in `logit_bias`
 MAX_TOKEN_ID_DIGITS = 18  # a longer `logit_bias` key is no token id of any vocabulary
-_TOOL_FIELDS = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls")
+_TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")  # chat's (completions have none)
+_LEGACY_FUNCTION_FIELDS = ("functions", "function_call")
 
 
 class StreamOptions(BaseModel):
@@ -51,6 +54,8 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -136,6 +141,8 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = Field(default=None, validate_default=True)
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message's answer to one of them
 
     @field_validator("content", mode="before")
     @classmethod
@@ -161,7 +168,9 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    response_format: dict | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def unsupported_fields(body: SamplingFields) -> tuple[str, str] | None:
@@ -170,9 +179,9 @@ def unsupported_fields(body: SamplingFields) -> tuple[str, str] | None:
     Example:
 
     ```python
-    >>> body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=[{"x": 1}])
+    >>> body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], functions=[{"x": 1}])
     >>> unsupported_fields(body)
-    ('tools', 'tools: tool and function calling is not supported by this server')
+    ('functions', 'functions: the deprecated functions API is not supported; use tools and tool_choice')
 
     ```
     """
@@ -180,13 +189,13 @@ def unsupported_fields(body: SamplingFields) -> tuple[str, str] | None:
         if _is_off(value) or _DEFAULTS.get(name) == (type(value), value):
             continue
         if name in _TOOL_FIELDS:
-            return name, f"{name}: tool and function calling is not supported by this server"
+            return name, f"{name}: tool calling is a chat completions feature (/v1/chat/completions)"
+        if name in _LEGACY_FUNCTION_FIELDS:
+            return name, f"{name}: the deprecated functions API is not supported; use tools and tool_choice"
         return name, f"{name}: this field is not supported by this server"
     if body.stream_options is not None and not body.stream:
         return "stream_options", "stream_options: only allowed when stream is true"
     if isinstance(body, ChatCompletionRequest):
-        if body.response_format is not None and body.response_format != {"type": "text"}:
-            return "response_format", 'response_format: only {"type": "text"} is supported by this server'
         if body.top_logprobs is not None and not body.logprobs:
             return "top_logprobs", "top_logprobs: needs logprobs set to true"
         for index, message in enumerate(body.messages):
@@ -194,9 +203,9 @@ def unsupported_fields(body: SamplingFields) -> tuple[str, str] | None:
                 if not _is_off(value):
                     where = f"messages.{index}.{name}"
                     return where, f"{where}: this message field is not supported by this server"
-            if message.role == "tool":  # a tool's result answers a tool call, which this server never makes
-                where = f"messages.{index}.role"
-                return where, f"{where}: tool messages need tool calling, which is not supported by this server"
+            if message.tool_calls and message.role != "assistant":
+                where = f"messages.{index}.tool_calls"
+                return where, f"{where}: only assistant messages hold tool calls"
             if isinstance(message.content, list):
                 for part in message.content:
                     if part.get("type") != "text" or not isinstance(part.get("text"), str):

@@ -124,6 +124,8 @@ class Reply:
             `top_logprobs`, completions' `logprobs`).
         echo (`str`): text put before each choice's text (completions' `echo`).
         include_usage (`bool`): stream a final chunk with the usage (`stream_options.include_usage`).
+        tools (`ToolCalling`, *optional*): the chat call's tools: a reply holding calls becomes `tool_calls`
+            (streamed in one chunk once complete; text that cannot begin a call streams as it comes).
     """
 
     def __init__(
@@ -134,6 +136,7 @@ class Reply:
         logprobs: int | None = None,
         echo: str = "",
         include_usage: bool = False,
+        tools=None,
     ):
         self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
@@ -143,6 +146,8 @@ class Reply:
         self.logprobs = logprobs
         self.echo = echo
         self.include_usage = include_usage
+        self.tools = tools
+        self._held: dict[int, str] = {}  # with tools: text held back per choice while it may be a call
         self._offsets: dict[int, tuple] = {}  # completions' text offset so far and its UTF-8 decoder, per choice
 
     # ------------------------------------------------------------------ whole replies
@@ -151,12 +156,16 @@ class Reply:
         choices = []
         for index, output in enumerate(finals):
             logprobs = self._logprobs(index, output.logprobs, output) if self.logprobs is not None else None
-            if self.chat:
+            calls = None if self.tools is None else self.tools.parse(output.text or "")
+            if calls is not None:
+                message = {"role": "assistant", "content": None, "tool_calls": calls}
+                choice = {"index": index, "message": message, "logprobs": logprobs}
+            elif self.chat:
                 message = {"role": "assistant", "content": output.text or ""}
                 choice = {"index": index, "message": message, "logprobs": logprobs}
             else:
                 choice = {"index": index, "text": self.echo + (output.text or ""), "logprobs": logprobs}
-            choice["finish_reason"] = output.finish_reason
+            choice["finish_reason"] = self.tools.finish_reason() if calls is not None else output.finish_reason
             choices.append(choice)
         completion_tokens = sum(len(o.token_ids) for o in finals)
         return {
@@ -184,12 +193,32 @@ class Reply:
         if self.logprobs is not None and output.new_logprobs:
             logprobs = self._logprobs(index, output.new_logprobs, output)
         reason = output.finish_reason if output.finished else None
+        if self.tools is not None:
+            return self._tool_chunk(index, output, logprobs, reason)
         if not output.new_text and logprobs is None and reason is None:
             return None
         if self.chat:
             delta = {"content": output.new_text} if output.new_text else {}
             return self._event(self._chat_choice(index, delta, logprobs, reason))
         return self._event(self._text_choice(index, output.new_text or "", logprobs, reason))
+
+    def _tool_chunk(self, index: int, output: RequestOutput, logprobs, reason) -> str | None:
+        """With tools: text that begins a call (`[`) is held until the call is complete and sent as `tool_calls`;
+        other text streams as it comes."""
+        held = self._held.get(index, "") + (output.new_text or "")
+        if held.startswith("[") and reason is None:
+            self._held[index] = held
+            return None  # log-probabilities of held tokens wait for the call too
+        self._held[index] = ""
+        if held.startswith("[") and self.logprobs is not None:  # every token was held
+            logprobs = self._logprobs(index, output.logprobs, output)
+        calls = self.tools.parse(held) if held.startswith("[") else None
+        if calls is not None:
+            delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+            return self._event(self._chat_choice(index, delta, logprobs, self.tools.finish_reason()))
+        if not held and logprobs is None and reason is None:
+            return None
+        return self._event(self._chat_choice(index, {"content": held} if held else {}, logprobs, reason))
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> str:
         """The final chunk of `stream_options.include_usage`: no choices, the usage of the whole call."""

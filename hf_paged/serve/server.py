@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..adapters import LoraAdapter
 from ..errors import UnknownAdapterError
+from ..structured import ResponseFormat, ResponseFormatError, compiler_for
 from .body import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware, parse_body
 from .calls import Call, watch_disconnect
 from .errors import APIError, error_body, error_kind
@@ -33,6 +34,7 @@ from .protocol import (
 )
 from .replies import Reply, TokenTexts, sse
 from .streaming import EventStream
+from .tools import ToolCalling, calls_as_text
 
 logger = logging.getLogger(__name__)
 
@@ -174,11 +176,16 @@ def create_app(
         body = await _parse(request, ChatCompletionRequest)
         adapter = adapter_of(body)
         _check(body)
-        messages = [{"role": m.role, "content": message_text(m)} for m in body.messages]
+        tools = ToolCalling.from_body(body.tools, body.tool_choice, body.parallel_tool_calls)
+        if tools is not None and (body.response_format is not None or body.structured_outputs is not None):
+            raise APIError(400, "tools: not supported together with response_format or structured_outputs", "tools")
+        messages = [_template_message(m) for m in body.messages]
+        if tools is not None:
+            messages = tools.messages(messages)
         encoder.check_evident_length(sum(len(m["content"]) for m in messages), "messages")
         prompt_ids = await on_tokenizer_thread(_chat_ids, encoder, messages)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        reply = Reply(body.model, True, token_text, logprobs, include_usage=body.include_usage)
+        reply = Reply(body.model, True, token_text, logprobs, include_usage=body.include_usage, tools=tools)
         return await _serve(loop, body, prompt_ids, reply, request, logprobs, adapter)
 
     app.include_router(v1)
@@ -195,6 +202,15 @@ def _check(body: SamplingFields) -> None:
     if refused is not None:
         param, message = refused
         raise APIError(400, message, param, "unsupported_parameter")
+
+
+def _template_message(message) -> dict:
+    """A chat message as the template reads it: its text; an assistant's earlier tool calls in the JSON the model
+    calls with (after any text)."""
+    text = message_text(message)
+    if message.tool_calls:
+        text = f"{text}\n{calls_as_text(message.tool_calls)}" if text else calls_as_text(message.tool_calls)
+    return {"role": message.role, "content": text}
 
 
 def _chat_ids(encoder: PromptEncoder, messages: list[dict]) -> list[int]:
@@ -271,10 +287,37 @@ def _options(engine, body: SamplingFields, prompt_ids: list[int], chat: bool, lo
     return options
 
 
+def _response_format(engine, body: SamplingFields, tools: ToolCalling | None = None) -> ResponseFormat | None:
+    """The body's `response_format` or `structured_outputs` (or what its tools ask), compiled for the engine's
+    tokenizer (cached), or a 400 naming the field."""
+    if body.response_format is not None and body.structured_outputs is not None:
+        raise APIError(400, "set response_format or structured_outputs, not both", "structured_outputs")
+    param = "response_format" if body.structured_outputs is None else "structured_outputs"
+    param = "tools" if tools is not None else param
+    try:
+        if tools is not None:
+            response_format = tools.response_format()
+        elif body.structured_outputs is not None:
+            response_format = ResponseFormat.from_structured_outputs(body.structured_outputs)
+        else:
+            response_format = ResponseFormat.parse(body.response_format)
+        if response_format is not None:
+            if engine.tokenizer is None:
+                raise ResponseFormatError("structured outputs need the model's tokenizer, which this server lacks")
+            compiler_for(engine.tokenizer, engine.vocab_size).compile(response_format)
+    except ResponseFormatError as error:
+        message = str(error) if str(error).startswith(param) else f"{param}: {error}"
+        raise APIError(400, message, param) from None
+    return response_format
+
+
 async def _serve(
     loop: EngineLoop, body: SamplingFields, prompt_ids, reply: Reply, request: Request, logprobs, adapter: str | None
 ):
     options = _options(loop.engine, body, prompt_ids, reply.chat, logprobs)
+    response_format = await asyncio.to_thread(_response_format, loop.engine, body, reply.tools)  # milliseconds
+    if response_format is not None:
+        options["response_format"] = response_format
     if adapter is not None:
         options["adapter"] = adapter
     choices = []
