@@ -260,3 +260,26 @@ def test_tool_fields_that_cannot_be_honoured_get_a_400_naming_the_field(server, 
                           json={"model": TINY, "messages": MESSAGES, "max_tokens": 4, **body})  # fmt: skip
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_streamed_text_with_a_bracket_later_is_not_held_as_a_call():
+    """With tools, only a reply that begins with `[` is held as a call; `[` later in words streams as it comes."""
+    from hf_paged.engine import RequestOutput
+    from hf_paged.serve.replies import Reply
+    from hf_paged.serve.tools import ToolCalling
+
+    tools = ToolCalling.from_body([WEATHER], "auto", None)
+    reply = Reply(TINY, True, None, tools=tools)
+
+    def output(new: str, finished: bool = False):
+        return RequestOutput("r", [1], [2], new, [2], new, finished, "stop" if finished else None)
+
+    def delta(event):
+        return json.loads(event.removeprefix("data: "))["choices"][0]["delta"]
+
+    assert delta(reply.chunk(0, output("It is"))) == {"content": "It is"}
+    assert delta(reply.chunk(0, output(" [sunny]"))) == {"content": " [sunny]"}
+    assert reply.chunk(1, output('[{"name": "get_weather", ')) is None  # held
+    final = delta(reply.chunk(1, output('"arguments": {"city": "Rome"}}]', finished=True)))
+    assert final["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+    assert delta(reply.chunk(2, output("[cut short", finished=True))) == {"content": "[cut short"}

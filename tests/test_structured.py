@@ -195,8 +195,8 @@ def test_a_vocabulary_wider_than_the_tokenizer_never_allows_the_extra_ids(tokeni
 
 # ---------------------------------------------------------------------------------------------- the Engine
 def mixed_workload(count: int):
-    """`count` requests: prompts of 3-20 token ids, every third free, the others constrained by the formats in
-    turn, with greedy, seeded sampling, penalties, stop strings and log-probabilities among them."""
+    """`count` requests: prompts of 3-20 token ids, every third free, the others constrained by the bounded formats
+    in turn, with greedy, seeded sampling, penalties, stop strings and log-probabilities among them."""
     generator = torch.Generator().manual_seed(0)
     requests = []
     for index in range(count):
@@ -208,6 +208,8 @@ def mixed_workload(count: int):
             options.update(repetition_penalty=1.3, frequency_penalty=0.5)
         if index % 7 == 3:
             options.update(logprobs=2)
+        if index % 6 == 4:
+            options.update(stop=["\n\n"])  # watched alongside the format (compact JSON never holds it)
         if index % 3 != 0:
             options["response_format"] = BOUNDED[index % len(BOUNDED)]
         requests.append((prompt, options))

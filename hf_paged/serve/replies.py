@@ -148,6 +148,7 @@ class Reply:
         self.include_usage = include_usage
         self.tools = tools
         self._held: dict[int, str] = {}  # with tools: text held back per choice while it may be a call
+        self._in_words: set[int] = set()  # with tools: choices whose reply began as text (no call can follow)
         self._offsets: dict[int, tuple] = {}  # completions' text offset so far and its UTF-8 decoder, per choice
 
     # ------------------------------------------------------------------ whole replies
@@ -203,22 +204,27 @@ class Reply:
         return self._event(self._text_choice(index, output.new_text or "", logprobs, reason))
 
     def _tool_chunk(self, index: int, output: RequestOutput, logprobs, reason) -> str | None:
-        """With tools: text that begins a call (`[`) is held until the call is complete and sent as `tool_calls`;
-        other text streams as it comes."""
-        held = self._held.get(index, "") + (output.new_text or "")
-        if held.startswith("[") and reason is None:
-            self._held[index] = held
-            return None  # log-probabilities of held tokens wait for the call too
-        self._held[index] = ""
-        if held.startswith("[") and self.logprobs is not None:  # every token was held
-            logprobs = self._logprobs(index, output.logprobs, output)
-        calls = self.tools.parse(held) if held.startswith("[") else None
-        if calls is not None:
-            delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
-            return self._event(self._chat_choice(index, delta, logprobs, self.tools.finish_reason()))
-        if not held and logprobs is None and reason is None:
+        """With tools: a reply that begins with `[` (a call) is held until it is complete and sent as `tool_calls`;
+        a reply that begins with other text streams as it comes."""
+        text = output.new_text or ""
+        if index not in self._in_words:
+            held = self._held.pop(index, "") + text
+            if held.startswith("["):
+                if reason is None:
+                    self._held[index] = held
+                    return None  # the held tokens' log-probabilities wait for the call too
+                if self.logprobs is not None:  # every token was held
+                    logprobs = self._logprobs(index, output.logprobs, output)
+                calls = self.tools.parse(held)
+                if calls is not None:
+                    delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+                    return self._event(self._chat_choice(index, delta, logprobs, self.tools.finish_reason()))
+            elif held:
+                self._in_words.add(index)
+            text = held  # text, or a call cut short by max_tokens
+        if not text and logprobs is None and reason is None:
             return None
-        return self._event(self._chat_choice(index, {"content": held} if held else {}, logprobs, reason))
+        return self._event(self._chat_choice(index, {"content": text} if text else {}, logprobs, reason))
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> str:
         """The final chunk of `stream_options.include_usage`: no choices, the usage of the whole call."""

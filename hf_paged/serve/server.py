@@ -315,7 +315,9 @@ async def _serve(
     loop: EngineLoop, body: SamplingFields, prompt_ids, reply: Reply, request: Request, logprobs, adapter: str | None
 ):
     options = _options(loop.engine, body, prompt_ids, reply.chat, logprobs)
-    response_format = await asyncio.to_thread(_response_format, loop.engine, body, reply.tools)  # milliseconds
+    response_format = None
+    if body.response_format is not None or body.structured_outputs is not None or reply.tools is not None:
+        response_format = await asyncio.to_thread(_response_format, loop.engine, body, reply.tools)  # compiles
     if response_format is not None:
         options["response_format"] = response_format
     if adapter is not None:
