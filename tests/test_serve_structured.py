@@ -14,6 +14,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from hf_paged.reference_models import smollm2_path
+
 from .serve_helpers import API_KEY, TINY, ServerProcess, save_tiny_model, wait_for_idle
 
 VERDICT = {
@@ -283,3 +285,100 @@ def test_streamed_text_with_a_bracket_later_is_not_held_as_a_call():
     final = delta(reply.chunk(1, output('"arguments": {"city": "Rome"}}]', finished=True)))
     assert final["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
     assert delta(reply.chunk(2, output("[cut short", finished=True))) == {"content": "[cut short"}
+
+
+# ---------------------------------------------------------------------------------------------- Hermes templates
+HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
+{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}
+
+{% endif %}# Tools
+
+You may call one or more functions to assist with the user query.
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% elif messages[0]['role'] == 'system' %}<|im_start|>system
+{{ messages[0]['content'] }}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' and loop.first %}
+{%- elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant
+{% if message.content %}{{ message.content }}
+{% endif %}{% for call in message.tool_calls %}<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>{% if not loop.last %}
+{% endif %}{% endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""  # Qwen 2.5's tool layout, shortened
+
+
+@pytest.fixture(scope="module")
+def hermes_dir(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    folder = save_tiny_model(tmp_path_factory.mktemp("tiny-hermes"))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = HERMES_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_a_hermes_template_renders_the_tools_and_earlier_calls_itself(hermes_dir):
+    from transformers import AutoTokenizer
+
+    from hf_paged.serve.prompts import PromptEncoder
+    from hf_paged.serve.protocol import ChatMessage
+    from hf_paged.serve.server import _chat_ids, _template_message
+    from hf_paged.serve.tools import INSTRUCTIONS, ToolCalling, call_syntax
+
+    tokenizer = AutoTokenizer.from_pretrained(hermes_dir)
+    assert call_syntax(tokenizer) == "hermes"
+    assert call_syntax(AutoTokenizer.from_pretrained(smollm2_path())) == "json"  # its template ignores tools
+    tools = ToolCalling.from_body([WEATHER], "auto", None, "hermes")
+    history = [ChatMessage(**m) for m in [
+        {"role": "user", "content": "Weather in Rome?"},
+        {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
+                                              "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]]  # fmt: skip
+    messages = tools.messages([_template_message(m, "hermes") for m in history])
+    encoder = PromptEncoder(tokenizer, None)
+    text = tokenizer.decode(_chat_ids(encoder, messages, tools.template_tools()))
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>' in text
+    assert "<tool_response>\nsunny\n</tool_response>" in text
+    assert INSTRUCTIONS.split(" (")[0] not in text  # the template's words, not hf_paged's
+
+
+def test_hermes_calls_are_constrained_and_parsed_from_their_tags(hermes_dir):
+    process = ServerProcess(hermes_dir, "--served-model-name", TINY, "--num-blocks", "128", "--exact")
+    try:
+        client = openai.OpenAI(base_url=f"{process.base}/v1", api_key="x", max_retries=0, timeout=60)
+        options = dict(model=TINY, messages=MESSAGES, max_tokens=64, temperature=0, tools=[WEATHER, TIME])
+        required = {"tool_choice": "required", "parallel_tool_calls": False}
+        reply = client.chat.completions.create(**options, **required)
+        assert reply.choices[0].finish_reason == "tool_calls"
+        check_calls(reply.choices[0].message)
+        chunks = [c for c in client.chat.completions.create(**options, **required, stream=True) if c.choices]
+        streamed = [tc.function.arguments for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+        assert streamed == [c.function.arguments for c in reply.choices[0].message.tool_calls]
+        for seed in range(3):
+            auto = client.chat.completions.create(**{**options, "temperature": 1.0}, seed=seed)
+            message = auto.choices[0].message
+            assert message.tool_calls or not message.content.startswith("<")
+        wait_for_idle(process.base, timeout=10)
+    finally:
+        process.close()

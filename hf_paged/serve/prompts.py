@@ -71,11 +71,12 @@ class PromptEncoder:
             raise APIError(400, "this server has no tokenizer: send the prompt as a list of token ids", "prompt")
         return self.tokenizer(prompt, add_special_tokens=special_tokens)["input_ids"]
 
-    def chat_text(self, messages: list[dict]) -> str:
-        """The chat template applied to `messages`, ending with the assistant's turn."""
+    def chat_text(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The chat template applied to `messages` (and `tools`, for a template that renders them), ending with the
+        assistant's turn."""
         if self.tokenizer is None or getattr(self.tokenizer, "chat_template", None) is None:
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions")
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
 
 
 def longest_token_chars(tokenizer) -> int:

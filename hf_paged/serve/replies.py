@@ -125,7 +125,7 @@ class Reply:
         echo (`str`): text put before each choice's text (completions' `echo`).
         include_usage (`bool`): stream a final chunk with the usage (`stream_options.include_usage`).
         tools (`ToolCalling`, *optional*): the chat call's tools: a reply holding calls becomes `tool_calls`
-            (streamed in one chunk once complete; text that cannot begin a call streams as it comes).
+            (streamed in one chunk once complete; words stream as they come).
     """
 
     def __init__(
@@ -204,12 +204,12 @@ class Reply:
         return self._event(self._text_choice(index, output.new_text or "", logprobs, reason))
 
     def _tool_chunk(self, index: int, output: RequestOutput, logprobs, reason) -> str | None:
-        """With tools: a reply that begins with `[` (a call) is held until it is complete and sent as `tool_calls`;
-        a reply that begins with other text streams as it comes."""
+        """With tools: a reply that begins as calls do (`[`, or `<` for tags) is held until it is complete and sent as
+        `tool_calls`; a reply that begins with other text streams as it comes."""
         text = output.new_text or ""
         if index not in self._in_words:
             held = self._held.pop(index, "") + text
-            if held.startswith("["):
+            if held and self.tools.begins_call(held):
                 if reason is None:
                     self._held[index] = held
                     return None  # the held tokens' log-probabilities wait for the call too

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import secrets
 from collections.abc import AsyncIterator
@@ -34,7 +35,7 @@ from .protocol import (
 )
 from .replies import Reply, TokenTexts, sse
 from .streaming import EventStream
-from .tools import ToolCalling, calls_as_text
+from .tools import ToolCalling, call_syntax, earlier_calls
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ def create_app(
         )
 
     token_text = TokenTexts(engine.tokenizer)
+    syntax = "json" if engine.tokenizer is None else call_syntax(engine.tokenizer)  # how tools reach the model
     # One thread tokenizes every prompt. Called from one thread, the fast (Rust) tokenizer's native memory levels off
     # once its cache of words seen is full (~2 MiB); spread over the default executor's threads, it kept growing by
     # ~400 bytes for every prompt holding a word not seen before (docs/benchmarks.md, "Memory over many requests").
@@ -176,14 +178,15 @@ def create_app(
         body = await _parse(request, ChatCompletionRequest)
         adapter = adapter_of(body)
         _check(body)
-        tools = ToolCalling.from_body(body.tools, body.tool_choice, body.parallel_tool_calls)
+        tools = ToolCalling.from_body(body.tools, body.tool_choice, body.parallel_tool_calls, syntax)
         if tools is not None and (body.response_format is not None or body.structured_outputs is not None):
             raise APIError(400, "tools: not supported together with response_format or structured_outputs", "tools")
-        messages = [_template_message(m) for m in body.messages]
+        messages = [_template_message(m, syntax) for m in body.messages]
         if tools is not None:
             messages = tools.messages(messages)
         encoder.check_evident_length(sum(len(m["content"]) for m in messages), "messages")
-        prompt_ids = await on_tokenizer_thread(_chat_ids, encoder, messages)
+        template_tools = None if tools is None else tools.template_tools()
+        prompt_ids = await on_tokenizer_thread(_chat_ids, encoder, messages, template_tools)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         reply = Reply(body.model, True, token_text, logprobs, include_usage=body.include_usage, tools=tools)
         return await _serve(loop, body, prompt_ids, reply, request, logprobs, adapter)
@@ -204,18 +207,27 @@ def _check(body: SamplingFields) -> None:
         raise APIError(400, message, param, "unsupported_parameter")
 
 
-def _template_message(message) -> dict:
-    """A chat message as the template reads it: its text; an assistant's earlier tool calls in the JSON the model
-    calls with (after any text)."""
+def _template_message(message, syntax: str) -> dict:
+    """A chat message as the template reads it: its text, and an assistant's earlier tool calls — for a Hermes
+    template as `tool_calls` with their arguments parsed (it writes the tags), else in the JSON the model calls with
+    (after any text); a tool message keeps its `tool_call_id`."""
     text = message_text(message)
+    entry = {"role": message.role, "content": text}
     if message.tool_calls:
-        text = f"{text}\n{calls_as_text(message.tool_calls)}" if text else calls_as_text(message.tool_calls)
-    return {"role": message.role, "content": text}
+        calls = earlier_calls(message.tool_calls)
+        if syntax == "hermes":
+            entry["tool_calls"] = [{"type": "function", "function": call} for call in calls]
+        else:
+            as_json = json.dumps(calls, ensure_ascii=False)
+            entry["content"] = f"{text}\n{as_json}" if text else as_json
+    if message.tool_call_id is not None:
+        entry["tool_call_id"] = message.tool_call_id
+    return entry
 
 
-def _chat_ids(encoder: PromptEncoder, messages: list[dict]) -> list[int]:
+def _chat_ids(encoder: PromptEncoder, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     try:
-        text = encoder.chat_text(messages)
+        text = encoder.chat_text(messages, tools)
     except APIError:
         raise
     except Exception as error:  # noqa: BLE001 - a template that refuses these messages (roles out of order, ...)

@@ -1,12 +1,15 @@
-"""Tool calling for chat completions: OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`, the tools told to
+"""Tool calling for chat completions: OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`, the tools shown to
 the model, its calls constrained to valid JSON and parsed into `message.tool_calls`.
 
-The model is told about the tools by a system message (the same words whatever its chat template) and calls them
-by answering with a JSON array, `[{"name": ..., "arguments": {...}}]`, which structured outputs hold to the tools'
-names and parameter schemas: with `tool_choice` `"required"` or a named function the answer must be such an array;
-with `"auto"` it may be that array or text that does not begin like JSON; with `"none"` the tools are not shown.
-Earlier calls (assistant messages with `tool_calls`) go back to the model in the same JSON, and `tool` messages as
-the template renders that role.
+Two call syntaxes (`call_syntax` picks one per tokenizer):
+- `"hermes"`: the chat template renders the tools itself and writes calls as `<tool_call>\n{"name": ...,
+  "arguments": {...}}\n</tool_call>` (Hermes, Qwen 2/2.5/3, SmolLM3 and their fine-tunes): the tools, earlier calls
+  and tool results go to the template, and the reply's calls are read from those tags.
+- `"json"`: any other template (one that ignores `tools`): a system message tells the tools and asks for calls as a
+  JSON array, `[{"name": ..., "arguments": {...}}]`; earlier calls go back in that JSON.
+Either way structured outputs hold a reply to the tools' names and parameter schemas: with `tool_choice`
+`"required"` or a named function it must be calls; with `"auto"` calls or words that cannot begin a call; with
+`"none"` the tools are not shown.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 
 from ..structured import ResponseFormat, ResponseFormatError
 from ..structured.formats import check_schema
+from ..structured.grammar import CALL_TAGS
 from .errors import APIError
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
@@ -37,14 +41,16 @@ class ToolCalling:
         tools (`list[dict]`): `{"name", "description", "parameters"}` per function.
         choice (`str`): `"auto"`, `"required"`, or the name of the function the reply must call.
         parallel (`bool`): whether a reply may hold several calls (`parallel_tool_calls`).
+        syntax (`str`): `"json"` or `"hermes"` (`call_syntax`).
     """
 
     tools: tuple
     choice: str
     parallel: bool = True
+    syntax: str = "json"
 
     @classmethod
-    def from_body(cls, tools, tool_choice, parallel_tool_calls) -> ToolCalling | None:
+    def from_body(cls, tools, tool_choice, parallel_tool_calls, syntax: str = "json") -> ToolCalling | None:
         """From a chat body's fields (`None`: no tool calling: no tools, or `tool_choice: "none"`); an `APIError` 400
         naming the field at fault."""
         if tool_choice is None:
@@ -55,24 +61,31 @@ class ToolCalling:
         choice = _choice(tool_choice, [f["name"] for f in functions])
         if choice == "none":
             return None
-        return cls(tuple(functions), choice, parallel_tool_calls is not False)
+        return cls(tuple(functions), choice, parallel_tool_calls is not False, syntax)
 
     @property
     def forced(self) -> bool:
         return self.choice not in ("auto", "required")
 
     def response_format(self) -> ResponseFormat:
-        """What the reply must be: an array of calls (one at most unless `parallel`), or with `"auto"` that or text."""
+        """What the reply must be: calls (one unless `parallel`; the named function's alone), or with `"auto"` those
+        or words."""
         calls = [_call_schema(f) for f in self.tools if not self.forced or f["name"] == self.choice]
-        schema = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1}
-        if not self.parallel or self.forced:
-            schema["maxItems"] = 1
-        if self.choice == "auto":
-            return ResponseFormat.json_schema_or_text(schema)
-        return ResponseFormat.json_schema(schema)
+        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        parallel = self.parallel and not self.forced
+        return ResponseFormat.tool_calls(schema, self.syntax, parallel, or_text=self.choice == "auto")
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools for the chat template's `tools=` (Hermes templates render them), else `None`."""
+        if self.syntax != "hermes":
+            return None
+        return [{"type": "function", "function": dict(f)} for f in self.tools]
 
     def messages(self, messages: list[dict]) -> list[dict]:
-        """`messages` with the tools told in a system message (added to the first one, or put first)."""
+        """`messages` as the template gets them: with the JSON syntax, the tools told in a system message (added to
+        the first one, or put first); with a Hermes template, as they are (it renders the tools)."""
+        if self.syntax == "hermes":
+            return messages
         shown = [{"name": f["name"], "description": f.get("description", ""), "parameters": f["parameters"]}
                  for f in self.tools]  # fmt: skip
         if self.choice == "auto":
@@ -87,17 +100,29 @@ class ToolCalling:
             return [first, *messages[1:]]
         return [{"role": "system", "content": text}, *messages]
 
+    def begins_call(self, text: str) -> bool:
+        """Whether a reply beginning with `text` (not empty) is calls: words cannot begin as a call does."""
+        return text.startswith("[" if self.syntax == "json" else "<")
+
     def parse(self, text: str) -> list[dict] | None:
-        """The OpenAI `tool_calls` of a reply's text, or `None` when it holds none (text, or cut short)."""
-        if not text.startswith("["):
+        """The OpenAI `tool_calls` of a reply's text, or `None` when it holds none (words, or calls cut short)."""
+        if not text or not self.begins_call(text):
             return None
         try:
-            calls = json.loads(text)
+            if self.syntax == "json":
+                calls = json.loads(text)
+            else:
+                opening, closing = (tag.strip() for tag in CALL_TAGS)
+                calls = [json.loads(part) for part in re.findall(f"{opening}(.*?){closing}", text, flags=re.S)]
         except json.JSONDecodeError:
             return None  # cut by max_tokens
         names = {f["name"] for f in self.tools}
-        if not isinstance(calls, list) or not all(
-            isinstance(c, dict) and c.get("name") in names and isinstance(c.get("arguments"), dict) for c in calls
+        if (
+            not isinstance(calls, list)
+            or not calls
+            or not all(
+                isinstance(c, dict) and c.get("name") in names and isinstance(c.get("arguments"), dict) for c in calls
+            )
         ):
             return None
         return [
@@ -111,9 +136,23 @@ class ToolCalling:
         return "stop" if self.forced else "tool_calls"
 
 
-def calls_as_text(tool_calls: list) -> str:
-    """An assistant message's earlier `tool_calls` in the JSON the model answers with; an `APIError` when they are
-    malformed."""
+def call_syntax(tokenizer) -> str:
+    """`"hermes"` when the tokenizer's chat template renders `tools` itself and writes calls in `<tool_call>` tags,
+    else `"json"` (checked once per server, by rendering a probe tool)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str) or "<tool_call>" not in template:
+        return "json"
+    probe = {"type": "function", "function": {"name": "hf_paged_probe_tool", "parameters": EMPTY_PARAMETERS}}
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tools=[probe], tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that cannot take tools: they are told in a system message
+        return "json"
+    return "hermes" if "hf_paged_probe_tool" in text else "json"
+
+
+def earlier_calls(tool_calls: list) -> list[dict]:
+    """An assistant message's `tool_calls` as `{"name", "arguments"}` with the arguments parsed; an `APIError` when
+    they are malformed."""
     calls = []
     for call in tool_calls:
         function = call.get("function") if isinstance(call, dict) else None
@@ -124,7 +163,7 @@ def calls_as_text(tool_calls: list) -> str:
         except (TypeError, json.JSONDecodeError):
             raise APIError(400, "messages: tool_calls function.arguments must be a JSON string", "messages") from None
         calls.append({"name": function["name"], "arguments": arguments})
-    return json.dumps(calls, ensure_ascii=False)
+    return calls
 
 
 def _functions(tools) -> list[dict]:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-KINDS = ("json_object", "json_schema", "regex", "choice", "grammar", "json_schema_or_text")
+KINDS = ("json_object", "json_schema", "regex", "choice", "grammar", "tool_calls")
+CALL_SYNTAXES = ("json", "hermes")  # tool calls as a JSON array, or in <tool_call> tags (Hermes, Qwen)
 
 # JSON-schema keywords that xgrammar accepts but does not enforce (measured: an output breaking them is accepted), so
 # a constrained output could fail validation; refused rather than silently ignored
@@ -50,9 +51,8 @@ class ResponseFormat:
     expression, one of a list of strings, or a sentence of an EBNF grammar (xgrammar's dialect of GBNF).
 
     Attributes:
-        kind (`str`): `"json_object"`, `"json_schema"`, `"regex"`, `"choice"`, `"grammar"`, or
-            `"json_schema_or_text"` (JSON valid under the schema, or text that does not begin like JSON: `[`, `{`;
-            the server's tool calls when the model may also answer in words).
+        kind (`str`): `"json_object"`, `"json_schema"`, `"regex"`, `"choice"`, `"grammar"`, or `"tool_calls"`
+            (the server's: calls valid under a schema, in a call syntax, or with `or_text` words instead).
         spec (`str`): the schema as canonical JSON, the regex, the choices as a JSON array, or the grammar
             (empty for `json_object`).
         name (`str | None`): the schema's name (OpenAI's `json_schema.name`).
@@ -104,9 +104,16 @@ class ResponseFormat:
         return cls("json_schema", json.dumps(schema, separators=(",", ":")), name)  # key order kept: the output's
 
     @classmethod
-    def json_schema_or_text(cls, schema) -> ResponseFormat:
-        """JSON valid under `schema`, or free text whose first character is none of `[`, `{`."""
-        return replace(cls.json_schema(schema), kind="json_schema_or_text")
+    def tool_calls(cls, call_schema: dict, syntax: str = "json", parallel: bool = True, or_text: bool = False):
+        """Tool calls, each valid under `call_schema` (`{"name": ..., "arguments": ...}`): with syntax `"json"` a JSON
+        array of them, with `"hermes"` each in `<tool_call>` tags on lines of its own (at most
+        `MAX_TAGGED_CALLS`); one call unless `parallel`; with `or_text`, text that does not begin like a call
+        instead (`[` or `{` for JSON, `<` for tags)."""
+        if syntax not in CALL_SYNTAXES:
+            raise ResponseFormatError(f"tool call syntax must be one of {list(CALL_SYNTAXES)}, got {syntax!r}")
+        check_schema(call_schema)
+        spec = {"schema": call_schema, "syntax": syntax, "parallel": parallel, "or_text": or_text}
+        return cls("tool_calls", json.dumps(spec, separators=(",", ":")))
 
     @classmethod
     def regex(cls, pattern: str) -> ResponseFormat:
@@ -181,7 +188,7 @@ class ResponseFormat:
     @property
     def schema(self):
         """The JSON schema (`json_schema` formats), else `None`."""
-        return json.loads(self.spec) if self.kind in ("json_schema", "json_schema_or_text") else None
+        return json.loads(self.spec) if self.kind == "json_schema" else None
 
     @property
     def choices(self) -> list[str] | None:

@@ -19,7 +19,9 @@ from .formats import ResponseFormat, ResponseFormatError
 
 MAX_CACHED_GRAMMARS = 256  # compiled grammars kept per compiler (least recently used dropped first)
 DEAD_END = -1  # what the sampler returns for a row whose mask leaves no token
-TEXT = r"[^\[{][\s\S]*"  # text that does not begin like JSON (the other branch of "json_schema_or_text")
+MAX_TAGGED_CALLS = 4  # most <tool_call> blocks in one reply (each count is a branch of the grammar)
+CALL_TAGS = ("<tool_call>\n", "\n</tool_call>")
+TEXT = {"json": r"[^\[{][\s\S]*", "hermes": r"[^<][\s\S]*"}  # words that cannot begin a call
 
 
 def _xgrammar():
@@ -80,10 +82,8 @@ class GrammarCompiler:
                 return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             if kind == "json_schema":
                 return self._compiler.compile_json_schema(spec, any_whitespace=False, strict_mode=False)
-            if kind == "json_schema_or_text":
-                xgr = _xgrammar()
-                json_value = xgr.Grammar.from_json_schema(spec, any_whitespace=False, strict_mode=False)
-                return self._compiler.compile_grammar(xgr.Grammar.union(json_value, xgr.Grammar.from_regex(TEXT)))
+            if kind == "tool_calls":
+                return self._compiler.compile_grammar(tool_call_grammar(**json.loads(spec)))
             if kind == "regex":
                 return self._compiler.compile_regex(spec)
             if kind == "choice":
@@ -95,7 +95,7 @@ class GrammarCompiler:
             if "] " in message and message.startswith("["):  # xgrammar prefixes "[time] file:line: "
                 message = message.split(": ", 1)[-1]
             what = {"json_object": "JSON", "json_schema": "JSON schema", "regex": "regex", "choice": "choice",
-                    "grammar": "grammar", "json_schema_or_text": "JSON schema"}[kind]  # fmt: skip
+                    "grammar": "grammar", "tool_calls": "tool call"}[kind]  # fmt: skip
             raise ResponseFormatError(f"the {what} response format cannot be compiled: {message}") from None
 
     def constraint(self, response_format: ResponseFormat, stop_token_ids=()) -> TokenConstraint:
@@ -116,6 +116,23 @@ def compiler_for(tokenizer, vocab_size: int) -> GrammarCompiler:
         if compiler is None:
             compiler = by_size[vocab_size] = GrammarCompiler(tokenizer, vocab_size)
         return compiler
+
+
+def tool_call_grammar(schema: dict, syntax: str, parallel: bool, or_text: bool):
+    """The grammar of `ResponseFormat.tool_calls`."""
+    xgr = _xgrammar()
+    if syntax == "json":
+        array = {"type": "array", "items": schema, "minItems": 1, **({} if parallel else {"maxItems": 1})}
+        calls = xgr.Grammar.from_json_schema(json.dumps(array), any_whitespace=False, strict_mode=False)
+    else:
+        opening, closing = (xgr.Grammar.from_ebnf(f"root ::= {_ebnf_string(tag)}") for tag in CALL_TAGS)
+        call = xgr.Grammar.concat(
+            opening, xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=False), closing
+        )
+        newline = xgr.Grammar.from_ebnf('root ::= "\\n"')
+        counts = range(1, (MAX_TAGGED_CALLS if parallel else 1) + 1)
+        calls = xgr.Grammar.union(*(xgr.Grammar.concat(*[call, *[newline, call] * (n - 1)]) for n in counts))
+    return xgr.Grammar.union(calls, xgr.Grammar.from_regex(TEXT[syntax])) if or_text else calls
 
 
 def request_constraint(tokenizer, vocab_size: int, response_format: ResponseFormat, stop_token_ids) -> TokenConstraint:
