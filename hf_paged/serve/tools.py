@@ -42,6 +42,17 @@ class ToolCalling:
         choice (`str`): `"auto"`, `"required"`, or the name of the function the reply must call.
         parallel (`bool`): whether a reply may hold several calls (`parallel_tool_calls`).
         syntax (`str`): `"json"` or `"hermes"` (`call_syntax`).
+
+    Example:
+
+    ```python
+    >>> calling = ToolCalling.from_body([{"type": "function", "function": {"name": "get_time"}}], "required", None)
+    >>> calling.parse('[{"name": "get_time", "arguments": {}}]')[0]["function"]
+    {'name': 'get_time', 'arguments': '{}'}
+    >>> calling.parse("It is noon.") is None, calling.finish_reason()
+    (True, 'tool_calls')
+
+    ```
     """
 
     tools: tuple
