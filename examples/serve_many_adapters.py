@@ -137,6 +137,7 @@ def start_server(base_dir: Path, adapters: dict[str, Path], timeout_s: float = 3
     port = free_port()
     command = [sys.executable, "-m", "hf_paged.serve", "serve", str(base_dir), "--served-model-name", BASE_NAME]
     command += ["--port", str(port), "--num-blocks", "256", "--log-level", "warning"]
+    command += ["--exact"]  # a few prompts: eager steps, bit-exact with generate (compiling would take a minute)
     for name, folder in adapters.items():
         command += ["--lora", f"{name}={folder}"]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ)
