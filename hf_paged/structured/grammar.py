@@ -59,6 +59,22 @@ class GrammarCompiler:
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=1)
         self._compiled: OrderedDict[ResponseFormat, object] = OrderedDict()
         self._lock = threading.Lock()
+        self._json_words: torch.Tensor | None = None
+
+    def json_words(self) -> torch.Tensor:
+        """Bitmask words (int32, xgrammar's layout) allowing every token but those whose text holds a control
+        character (U+0000-U+001F): compact JSON never holds one raw, and xgrammar lets them into strings with
+        `minLength`/`maxLength` (measured: `"a\x1cb"` accepted under `{"type": "string", "maxLength": 8}`)."""
+        if self._json_words is None:
+            allowed = torch.ones((self.vocab_size + 31) // 32 * 32, dtype=torch.bool)
+            special = set(self.info.special_token_ids)
+            for token, text in enumerate(self.info.decoded_vocab[: self.vocab_size]):
+                if token not in special and any(byte < 0x20 for byte in text):
+                    allowed[token] = False
+            weights = torch.tensor([1 << bit for bit in range(32)], dtype=torch.int64)
+            words = (allowed.view(-1, 32).long() * weights).sum(dim=1)
+            self._json_words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+        return self._json_words
 
     def compile(self, response_format: ResponseFormat):
         """The compiled grammar of `response_format` (cached); `ResponseFormatError` for a regex or grammar that does
@@ -101,7 +117,8 @@ class GrammarCompiler:
     def constraint(self, response_format: ResponseFormat, stop_token_ids=()) -> TokenConstraint:
         """A fresh matcher for one sequence. The output ends with one of `stop_token_ids` once the grammar is
         complete (the only tokens then allowed); with none, it ends as soon as the grammar is complete."""
-        return TokenConstraint(self, self.compile(response_format), list(stop_token_ids))
+        words = self.json_words() if response_format.kind in ("json_object", "json_schema") else None
+        return TokenConstraint(self, self.compile(response_format), list(stop_token_ids), words=words)
 
 
 _compilers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -145,10 +162,11 @@ def request_constraint(tokenizer, vocab_size: int, response_format: ResponseForm
 class TokenConstraint:
     """One sequence's matcher: which tokens may come next, advanced token by token."""
 
-    def __init__(self, compiler: GrammarCompiler, compiled, stop_token_ids: list[int], matcher=None):
+    def __init__(self, compiler: GrammarCompiler, compiled, stop_token_ids: list[int], matcher=None, words=None):
         self.compiler = compiler
         self._compiled = compiled
         self._stop_token_ids = stop_token_ids
+        self._words = words  # tokens allowed whatever the grammar says (JSON: no raw control character)
         if matcher is None:
             xgr = _xgrammar()
             if stop_token_ids:
@@ -165,6 +183,8 @@ class TokenConstraint:
     def fill(self, bitmask: torch.Tensor, row: int = 0) -> None:
         """Write the allowed next tokens into row `row` of `bitmask` (`allocate_bitmask`)."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self._words is not None:
+            bitmask[row] &= self._words
 
     def accept(self, token_id: int) -> bool:
         """Advance by `token_id`; `False` (and no change) when the grammar does not allow it."""
@@ -172,7 +192,7 @@ class TokenConstraint:
 
     def fork(self) -> TokenConstraint:
         """An independent copy at the same position (beam search: two beams from one parent)."""
-        return TokenConstraint(self.compiler, self._compiled, self._stop_token_ids, self._matcher.fork())
+        return TokenConstraint(self.compiler, self._compiled, self._stop_token_ids, self._matcher.fork(), self._words)
 
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
