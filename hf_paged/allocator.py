@@ -475,6 +475,37 @@ class BlockAllocator:
             table.block_ids[index] = block_id
             self._release_blocks([old])
 
+    def adopt_cached(self, block_hash: bytes, tokens: tuple[int, ...]) -> int:
+        """Take a block for content loaded from outside the pool (a tier of `hf_paged.offload`), indexed under
+        `block_hash` as a full, unreferenced cached block: evictable, most recently used. The caller writes its K/V
+        before releasing the lock. Raises `PoolExhaustedError` when no block is free or evictable, and `ValueError`
+        when `block_hash` is cached already."""
+        with self.lock:
+            if block_hash in self._hash_to_block:
+                raise ValueError("this content is cached already")
+            if len(tokens) != self.block_size:
+                raise ValueError(f"a cached block holds {self.block_size} tokens, got {len(tokens)}")
+            if not self._free and not self._evictable:
+                raise PoolExhaustedError(1, 0, "a block loaded from a KV tier", self.num_blocks, self.sized_by)
+            block_id = self._take_free_block()
+            self._fill[block_id] = self.block_size
+            self._ref_counts[block_id] = 0
+            self._hash_to_block[block_hash] = block_id
+            self._block_hash[block_id] = block_hash
+            self._block_tokens[block_id] = tuple(tokens)
+            self._evictable[block_id] = None
+            return block_id
+
+    def pin_cached(self, block_ids: list[int]) -> None:
+        """Take a reference to cached blocks (so that nothing evicts them) until `unpin_cached`."""
+        with self.lock:
+            for block_id in block_ids:
+                self._acquire_cached(block_id)
+
+    def unpin_cached(self, block_ids: list[int]) -> None:
+        with self.lock:
+            self._release_blocks(list(block_ids))
+
     def block_hash(self, block_id: int) -> bytes | None:
         return self._block_hash.get(block_id)
 

@@ -32,7 +32,7 @@ _UNITS = {
 _MEMORY_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_memory(value: int | str) -> int:
+def parse_memory(value: int | str, name: str = "max_memory") -> int:
     """Bytes from an int or a string such as `"512MiB"`, `"2 GB"` or `"1.5GiB"`.
 
     Example:
@@ -44,21 +44,21 @@ def parse_memory(value: int | str) -> int:
     ```
     """
     if isinstance(value, bool):
-        raise TypeError(f"max_memory must be an int (bytes) or a string like '512MiB', got {value!r}")
+        raise TypeError(f"{name} must be an int (bytes) or a string like '512MiB', got {value!r}")
     if isinstance(value, int):
         number = value
     elif isinstance(value, str):
         match = _MEMORY_PATTERN.match(value)
         if match is None or match.group(2).lower() not in _UNITS:
             raise ValueError(
-                f"max_memory={value!r} is not a memory size; use bytes or a number with one of the units "
+                f"{name}={value!r} is not a memory size; use bytes or a number with one of the units "
                 f"{sorted(u for u in _UNITS if u)} (e.g. '512MiB')"
             )
         number = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
     else:
-        raise TypeError(f"max_memory must be an int (bytes) or a string like '512MiB', got {type(value).__name__}")
+        raise TypeError(f"{name} must be an int (bytes) or a string like '512MiB', got {type(value).__name__}")
     if number <= 0:
-        raise ValueError(f"max_memory must be > 0 bytes, got {value!r}")
+        raise ValueError(f"{name} must be > 0 bytes, got {value!r}")
     return number
 
 
@@ -87,6 +87,9 @@ class PagedCacheConfig:
             `"int4"` (quantized pages with a bfloat16 scale per token and KV head: about 0.52x and 0.27x the bytes
             of bfloat16 pages). A property of the model's pool, as `block_size`. See `hf_paged.kv_format` and the
             "Quantized pages" section of docs/design.md.
+        kv_offload (`dict`, *optional*): tiers that keep the prefix cache's blocks beyond the pool and across
+            processes: `{"dir": PATH, "disk_bytes": "20GiB", "remote": "redis://HOST:PORT/DB", "host_bytes":
+            "4GiB"}` (see `hf_paged.offload.OffloadConfig`). Attached to the model's pool; off by default.
 
     Example:
 
@@ -105,6 +108,7 @@ class PagedCacheConfig:
     prefix_caching: bool | None = None
     kernel: str | None = None
     kv_dtype: str | None = None
+    kv_offload: object = None
 
     @classmethod
     def from_dict(cls, options: dict | PagedCacheConfig | None) -> PagedCacheConfig:
@@ -152,6 +156,15 @@ class PagedCacheConfig:
             check_kernel_name(self.kernel)
         if self.kv_dtype is not None:
             check_kv_dtype(self.kv_dtype)
+        if self.kv_offload is not None:
+            from .offload.config import OffloadConfig
+
+            object.__setattr__(self, "kv_offload", OffloadConfig.from_dict(self.kv_offload))
+            if self.kv_offload is not None and self.prefix_caching is False:
+                raise ValueError(
+                    "cache_config kv_offload keeps the prefix cache's blocks beyond the pool; with "
+                    "prefix_caching=False there are none: drop one of them"
+                )
         if self.attn_implementation is not None and not isinstance(self.attn_implementation, str):
             raise TypeError(f"cache_config attn_implementation must be a string, got {self.attn_implementation!r}")
 

@@ -341,4 +341,7 @@ def duplicate_row_leaders(inputs: ForwardInputs, batch: int, num_new: int) -> li
 def pool_root(pool: BlockPool, model: torch.nn.Module) -> bytes:
     """The prefix-cache root of `model`'s blocks in `pool`: the model's namespace (`prefix_namespace`) and the
     pool's K/V format, so blocks of different formats never stand in for each other."""
-    return root_hash(prefix_namespace(model) + f"\x1fkv:{pool.kv_dtype}".encode())
+    root = root_hash(prefix_namespace(model) + f"\x1fkv:{pool.kv_dtype}".encode())
+    if pool.offload is not None:
+        pool.offload.register_root(model, root, pool)
+    return root

@@ -182,6 +182,20 @@ class BlockPool:
         self.explicitly_sized = explicitly_sized  # by num_blocks, max_memory or memory_fraction (not the default)
         self._warned_smaller_than_default = False
         self._compute: tuple | None = None  # (weights' dtype, autocast dtype) the stored K/V were computed in
+        self.offload = None  # KVOffload: tiers behind the prefix cache (hf_paged.offload), or None
+
+    def set_offload(self, config) -> None:
+        """Keep the prefix cache's blocks in the tiers `config` (an `OffloadConfig`, or `None`: no tiers) names from
+        now on (see `hf_paged.offload.KVOffload`); the same config again keeps the tiers as they are."""
+        from .offload import KVOffload
+
+        if self.offload is not None and self.offload.config == config:
+            return
+        offload = None if config is None else KVOffload(config, self.block_size)
+        with self.lock:
+            previous, self.offload = self.offload, offload
+        if previous is not None:
+            previous.close()
 
     @property
     def num_blocks(self) -> int:
@@ -270,8 +284,12 @@ class BlockPool:
     def cached_prefix_row(
         self, roots: list[bytes], windows: list[int | None], tokens: list[int], count_reuse: bool = True
     ) -> Row:
-        """A new row holding the longest cached prefix of `tokens` (see `Row.from_prefix_cache`)."""
-        return Row.from_prefix_cache(self.allocator, roots, windows, tokens, count_reuse)
+        """A new row holding the longest cached prefix of `tokens` (see `Row.from_prefix_cache`), what the pool lacks
+        of it loaded first from the tiers of `offload`, if any."""
+        with self.lock:
+            if self.offload is not None and roots is not None:
+                self.offload.load(self, roots, windows, tokens)
+            return Row.from_prefix_cache(self.allocator, roots, windows, tokens, count_reuse)
 
     def take_blocks(self, appends: list[tuple[BlockTable, int]], what: str | None = None, keep_free: int = 0) -> int:
         """Append `(table, num_new_tokens)` for every entry, all of them or (`PoolExhaustedError`) none, leaving at
@@ -314,8 +332,11 @@ class BlockPool:
         changed."""
         with self.lock:
             changed = False
+            links = [] if self.offload is not None else None
             for row in rows:
-                changed |= row.cache_full_blocks(self.allocator, roots, share)
+                changed |= row.cache_full_blocks(self.allocator, roots, share, links)
+            if links:
+                self.offload.record(self.storage, links)
             return changed
 
     def truncate_rows(self, rows: list[Row], length: int) -> None:
@@ -457,7 +478,8 @@ def get_pool(model: torch.nn.Module, *, caller: str = "get_pool", **cache_config
     `ValueError` otherwise. A call that names no size keeps the pool as it is; when `caller` (who asks: `"generate"`,
     `"Engine"`, `"PagedCache"`) names no size and finds an idle pool sized explicitly below the default, a warning
     says so once (what set the size, and how to get the default back: `release_pool(model)`). `pool.sized_by`
-    says what set the size.
+    says what set the size. `kv_offload` attaches tiers that keep the prefix cache's blocks beyond the pool
+    (`pool.offload`, see `hf_paged.offload`); a call that does not name it leaves the pool's tiers as they are.
 
     Example:
 
@@ -472,44 +494,55 @@ def get_pool(model: torch.nn.Module, *, caller: str = "get_pool", **cache_config
     ```
     """
     config = cache_config.pop("config", None) or PagedCacheConfig.from_dict(cache_config)
+    offload, config = config.kv_offload, replace(config, kv_offload=None)
     model = generating_model(model)
     with _pools_lock:
-        pool = _pools.get(model)
-        if pool is not None:
-            pool.follow_model_dtype(model)
-        if pool is not None and config == PagedCacheConfig():
-            return pool
-        layout = KVLayout.for_model(model)
-        sizing = _size_pool(model, config, layout, caller)
-        num_blocks, block_size, kv_shape = sizing.num_blocks, sizing.block_size, sizing.kv_shape
-        if pool is not None and _pool_matches(pool, config, num_blocks, block_size):
-            if caller != "get_pool" and not gives_size(config):
-                _warn_if_smaller_than_default(pool, sizing, caller)
-            return pool
-        if pool is not None and pool.allocator.num_used:
-            raise ValueError(
-                f"the model's KV pool has block_size={pool.block_size}, num_blocks={pool.num_blocks}, "
-                f"kv_dtype={pool.kv_dtype!r} and {pool.allocator.num_used} blocks in use; it cannot be rebuilt as "
-                f"block_size={block_size}, num_blocks={num_blocks}, kv_dtype={kv_shape.kv_dtype!r} until every "
-                "PagedCache using it is released"
-            )
-        pool = BlockPool(num_blocks, block_size, kv_shape, layout, sizing.sized_by, sizing.explicit)
-        pool.follow_model_dtype(model)  # records what its K/V will be computed in
-        logger.info(
-            "hf_paged: pool of %d blocks x %d tokens (%.1f MiB of %s KV, %d layer group(s), %d KV heads) for %s%s",
-            num_blocks,
-            block_size,
-            num_blocks * block_size * kv_shape.bytes_per_block_token / 2**20,
-            kv_shape.kv_dtype,
-            layout.num_groups,
-            kv_shape.kv_heads_local,
-            type(model).__name__,
-            f" on tensor-parallel rank {kv_shape.tp_rank} of {kv_shape.tp_world_size}"
-            if kv_shape.tp_world_size > 1
-            else "",
-        )
-        _pools[model] = pool
+        pool = _get_pool(model, config, caller)
+        if offload is not None:
+            pool.set_offload(offload)
         return pool
+
+
+def _get_pool(model: torch.nn.Module, config: PagedCacheConfig, caller: str) -> BlockPool:
+    pool = _pools.get(model)
+    if pool is not None:
+        pool.follow_model_dtype(model)
+    if pool is not None and config == PagedCacheConfig():
+        return pool
+    layout = KVLayout.for_model(model)
+    sizing = _size_pool(model, config, layout, caller)
+    num_blocks, block_size, kv_shape = sizing.num_blocks, sizing.block_size, sizing.kv_shape
+    if pool is not None and _pool_matches(pool, config, num_blocks, block_size):
+        if caller != "get_pool" and not gives_size(config):
+            _warn_if_smaller_than_default(pool, sizing, caller)
+        return pool
+    if pool is not None and pool.allocator.num_used:
+        raise ValueError(
+            f"the model's KV pool has block_size={pool.block_size}, num_blocks={pool.num_blocks}, "
+            f"kv_dtype={pool.kv_dtype!r} and {pool.allocator.num_used} blocks in use; it cannot be rebuilt as "
+            f"block_size={block_size}, num_blocks={num_blocks}, kv_dtype={kv_shape.kv_dtype!r} until every "
+            "PagedCache using it is released"
+        )
+    previous = pool
+    pool = BlockPool(num_blocks, block_size, kv_shape, layout, sizing.sized_by, sizing.explicit)
+    pool.follow_model_dtype(model)  # records what its K/V will be computed in
+    if previous is not None and previous.offload is not None:  # the tiers outlive a rebuild of the pool
+        pool.set_offload(previous.offload.config)
+    logger.info(
+        "hf_paged: pool of %d blocks x %d tokens (%.1f MiB of %s KV, %d layer group(s), %d KV heads) for %s%s",
+        num_blocks,
+        block_size,
+        num_blocks * block_size * kv_shape.bytes_per_block_token / 2**20,
+        kv_shape.kv_dtype,
+        layout.num_groups,
+        kv_shape.kv_heads_local,
+        type(model).__name__,
+        f" on tensor-parallel rank {kv_shape.tp_rank} of {kv_shape.tp_world_size}"
+        if kv_shape.tp_world_size > 1
+        else "",
+    )
+    _pools[model] = pool
+    return pool
 
 
 def _warn_if_smaller_than_default(pool: BlockPool, default: _Sizing, caller: str) -> None:

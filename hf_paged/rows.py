@@ -165,12 +165,15 @@ class Row:
             for table, window in zip(self.tables, windows)
         )
 
-    def cache_full_blocks(self, allocator: BlockAllocator, roots: list[bytes], share: bool = True) -> bool:
+    def cache_full_blocks(
+        self, allocator: BlockAllocator, roots: list[bytes], share: bool = True, links: list | None = None
+    ) -> bool:
         """Put every full block not yet indexed into the prefix index, group by group (`roots[group]` starts each
         group's chain). A block whose content is already cached in another block is replaced by that one (storage
         shared) when `share`; without `share` (mid-forward, when the tables must not change) indexing of that group
         stops there and resumes on the next call. The row's own `roots`, when it has them, replace `roots`. Returns
-        whether a table changed."""
+        whether a table changed. `links`, when given, gets `(parent hash, hash, tokens, block id or None, newly
+        indexed)` of every block the chain passed (for `hf_paged.offload`)."""
         if self.tokens is None:
             return False
         roots = self.roots or roots
@@ -180,11 +183,14 @@ class Row:
             parent = hashes[-1] if hashes else root
             for index in range(len(hashes), table.num_tokens // size):
                 tokens = tuple(self.tokens[index * size : (index + 1) * size])
-                parent = block_hash(parent, tokens)
+                previous, parent = parent, block_hash(parent, tokens)
                 own = table.block_ids[index]
                 if own is None:  # skipped before it was indexed: its hash still links the chain
                     hashes.append(parent)
+                    if links is not None:
+                        links.append((previous, parent, tokens, None, False))
                     continue
+                was_cached = allocator.block_hash(own) is not None
                 holder = allocator.cache_block(own, parent, tokens)
                 if holder != own:
                     if not share:
@@ -192,4 +198,7 @@ class Row:
                     allocator.replace_block(table, index, holder)
                     changed = True
                 hashes.append(parent)
+                if links is not None:
+                    new = holder == own and not was_cached and allocator.block_hash(own) == parent
+                    links.append((previous, parent, tokens, holder, new))
         return changed

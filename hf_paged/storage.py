@@ -190,6 +190,53 @@ class KVStorage:
                 if lane in tensors:  # codes and their scales travel together
                     tensors[lane].index_copy_(0, dst, tensors[lane].index_select(0, src))
 
+    def blocks_tensors(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
+        """A copy on the CPU of blocks `block_ids` in every allocated lane, as stored (codes and scales of a quantized
+        format): `k.LANE`, `v.LANE` (`[len(block_ids), block_size, num_kv_heads, head_dim or code_dim]`), `ks.LANE`,
+        `vs.LANE` (`[len(block_ids), block_size, num_kv_heads]`)."""
+        out = {}
+        for prefix, tensors in zip(_PARTS, (self.keys, self.values, self.key_scales, self.value_scales)):
+            for lane, tensor in tensors.items():
+                index = torch.tensor(block_ids, device=tensor.device)
+                out[f"{prefix}.{lane}"] = tensor.index_select(0, index).to("cpu")
+        return out
+
+    def block_fits(self, tensors: dict[str, torch.Tensor], num_lanes: int) -> bool:
+        """Whether one block's `tensors` (`blocks_tensors` of one block) fit this storage: its lanes, and the shapes
+        and dtypes of the lanes already allocated."""
+        prefixes = _PARTS if self.format.quantized else _PARTS[:2]
+        if set(tensors) != {f"{prefix}.{lane}" for prefix in prefixes for lane in range(num_lanes)}:
+            return False
+        for lane in range(num_lanes):
+            key = tensors[f"k.{lane}"]
+            if key.dim() != 3 or key.shape[0] != self.block_size or tensors[f"v.{lane}"].shape != key.shape:
+                return False
+            if self.format.quantized:
+                if key.dtype != self.format.code_dtype or tensors[f"ks.{lane}"].shape != key.shape[:2]:
+                    return False
+                if tensors[f"vs.{lane}"].shape != key.shape[:2]:
+                    return False
+            if lane in self.keys and (key.shape != self.keys[lane].shape[1:] or key.dtype != self.keys[lane].dtype):
+                return False
+        return True
+
+    def load_block(self, block_id: int, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device) -> None:
+        """Write one block's `tensors` (checked by `block_fits`) into block `block_id`; a lane not allocated yet is
+        allocated on `device`, its K/V read back in `dtype`."""
+        parts = (self.keys, self.values, self.key_scales, self.value_scales)
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                prefix, lane = name.split(".")
+                lane = int(lane)
+                if lane not in self.keys:
+                    heads, width = tensors[f"k.{lane}"].shape[1:]
+                    head_dim = width * 8 // self.format.bits if self.format.quantized else width
+                    stored = dtype if self.format.quantized else tensors[f"k.{lane}"].dtype
+                    with self._lock:
+                        if lane not in self.keys:
+                            self._allocate(lane, heads, head_dim, stored, torch.device(device))
+                parts[_PARTS.index(prefix)][lane][block_id].copy_(tensor)
+
     def layer_tensors(
         self, layer_idx: int
     ) -> tuple[torch.Tensor, torch.Tensor] | tuple[QuantizedPages, QuantizedPages]:
@@ -209,6 +256,9 @@ class KVStorage:
 
     def num_heads(self, layer_idx: int) -> int:
         return self.keys[self.lane_of(layer_idx)].shape[2]
+
+
+_PARTS = ("k", "v", "ks", "vs")
 
 
 def head_rows(slot_map: torch.Tensor, num_heads: int) -> torch.Tensor:

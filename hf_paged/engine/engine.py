@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 import threading
@@ -84,7 +85,8 @@ class Engine:
             to the next captured size; `engine.decode_graphs`), over the compiled forward where steps compile.
             `"auto"` (default): on for a CUDA model whose steps compile; `True` asks for them over eager steps too.
         **cache_config: pool options (`block_size`, `num_blocks`, `max_memory`, `prefix_caching`, `kernel`,
-            `kv_dtype` (`"int8"`, `"int4"`: quantized pages), ...), or
+            `kv_dtype` (`"int8"`, `"int4"`: quantized pages), `kv_offload` (tiers behind the prefix cache:
+            `{"dir": PATH, "remote": "redis://..."}`, see `hf_paged.offload`), ...), or
             `cache_config=` a dict or `PagedCacheConfig` of them, as `generate` takes it.
 
     Example:
@@ -519,12 +521,14 @@ class Engine:
     def stats(self) -> EngineStats:
         """Counters since the last `reset_stats()` (see `EngineStats`)."""
         with self._lock:
-            return self.recorder.snapshot(
+            stats = self.recorder.snapshot(
                 self.scheduler.num_preemptions,
                 self.pool.stats().peak_used,
                 self.cache.kernel.backend,
                 dict(self.cache.attention_calls),
             )
+        offload = self.pool.offload
+        return stats if offload is None else dataclasses.replace(stats, kv_tiers=tuple(offload.stats().tiers))
 
     def close(self) -> None:
         """Abort every request and return all blocks to the pool."""

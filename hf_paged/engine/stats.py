@@ -35,6 +35,9 @@ class EngineStats:
         compiled_steps (`int`): steps whose forward ran compiled (`Engine(compile=True)`; the others ran eagerly).
         graph_steps (`int`): decode steps replayed from a captured graph (`Engine(cuda_graphs=...)`), compiled or
             not.
+        kv_tiers (`tuple[TierStats, ...]`): every tier behind the prefix cache (`kv_offload`; see
+            `hf_paged.offload.TierStats`): hits, tokens loaded, bytes read and written, entries, evictions, rejects,
+            load time; empty without tiers. Counted since the tiers were attached, not since the reset.
     """
 
     num_requests: int
@@ -58,6 +61,7 @@ class EngineStats:
     attention_calls: dict = field(default_factory=dict, repr=False)
     compiled_steps: int = 0
     graph_steps: int = 0
+    kv_tiers: tuple = field(default=(), repr=False)
 
     @property
     def pad_share(self) -> float:

@@ -59,6 +59,41 @@ def build_parser() -> argparse.ArgumentParser:
         "scale per token and head: about 0.52x and 0.27x the bytes of bfloat16 pages)",
     )
     serve.add_argument(
+        "--kv-offload-dir",
+        default=None,
+        metavar="PATH",
+        help="keep the prefix cache's blocks in this directory too (safetensors files, kept across restarts and "
+        "shared by processes on this machine); a later prompt with a cached prefix loads it instead of computing it",
+    )
+    serve.add_argument(
+        "--kv-offload-disk",
+        type=_memory,
+        default=None,
+        metavar="BYTES",
+        help="most bytes the --kv-offload-dir directory holds (default 10GiB; least recently used dropped first)",
+    )
+    serve.add_argument(
+        "--kv-offload-remote",
+        default=None,
+        metavar="URL",
+        help="keep the prefix cache's blocks in this Redis too (redis://HOST:PORT/DB), shared by every server "
+        "naming it (needs the redis client: pip install 'hf-paged[offload]')",
+    )
+    serve.add_argument(
+        "--kv-offload-remote-bytes",
+        type=_memory,
+        default=None,
+        metavar="BYTES",
+        help="most bytes this server's blocks take in Redis (default 4GiB; least recently used dropped first)",
+    )
+    serve.add_argument(
+        "--kv-offload-host",
+        type=_memory,
+        default=None,
+        metavar="BYTES",
+        help="keep the prefix cache's blocks in this process's memory too, up to BYTES (for a pool on a GPU)",
+    )
+    serve.add_argument(
         "--cpu-linear",
         choices=CPU_LINEARS,
         default="stock",
@@ -315,6 +350,7 @@ def check_serve_args(args) -> None:
         _check_cuda_graphs(args.device)
     if args.kernel not in (None, "auto", "gather"):
         _check_kernel(args.kernel, args.device, args.block_size)
+    _check_kv_offload(args)
     config = _check_model_path(args.model_path, args.gguf_file)
     shapes = None if config is None else _kv_shapes(config)
     if args.kv_dtype is not None and shapes is not None:
@@ -326,6 +362,54 @@ def check_serve_args(args) -> None:
     if args.max_memory is not None and shapes is not None:
         block_size = 16 if args.block_size == "auto" else args.block_size  # "auto": at least 16 (a lower bound)
         _check_memory(args.max_memory, block_size, args.dtype, shapes, args.kv_dtype or "auto")
+
+
+def kv_offload_options(args) -> dict | None:
+    """The `kv_offload` dict of the `--kv-offload-*` options; `None` without any."""
+    options = {
+        "dir": args.kv_offload_dir,
+        "disk_bytes": args.kv_offload_disk,
+        "remote": args.kv_offload_remote,
+        "remote_bytes": args.kv_offload_remote_bytes,
+        "host_bytes": args.kv_offload_host,
+    }
+    options = {name: value for name, value in options.items() if value is not None}
+    return options or None
+
+
+def _check_kv_offload(args) -> None:
+    """Refuse `--kv-offload-*` options that cannot work before the model loads: sizes without their tier, a
+    directory that cannot be written, a Redis server that does not answer."""
+    from ..offload.config import OffloadConfig
+    from ..offload.stores import RedisStore, check_writable_directory
+
+    options = kv_offload_options(args)
+    if options is None:
+        return
+    if not args.prefix_caching:
+        raise UsageError("--kv-offload-* keeps the prefix cache's blocks; with --no-prefix-caching there are none")
+    if args.tp > 1:
+        raise UsageError(f"--kv-offload-* is not supported with --tp {args.tp} yet (one process's pool only)")
+    flags = {"disk_bytes": "--kv-offload-disk", "remote_bytes": "--kv-offload-remote-bytes", "dir": "--kv-offload-dir"}
+    try:
+        config = OffloadConfig.from_dict(options)
+    except ValueError as error:
+        message = str(error)
+        for key, flag in {**flags, "remote": "--kv-offload-remote"}.items():
+            message = message.replace(f"kv_offload {key}", flag).replace(f"'{key}'", flag)
+        raise UsageError(message) from None
+    try:
+        if config.dir is not None:
+            check_writable_directory(config.dir)
+        if config.remote is not None:
+            RedisStore(config.remote, config.resolved_remote_bytes, timeout=3.0).client.close()
+    except (ValueError, ImportError) as error:
+        message = (
+            str(error)
+            .replace("kv_offload dir=", "--kv-offload-dir ")
+            .replace("kv_offload remote=", "--kv-offload-remote ")
+        )
+        raise UsageError(message) from None
 
 
 def _check_cuda_graphs(device: str | None) -> None:
@@ -539,6 +623,8 @@ def serve(args) -> None:
         pool_options["max_memory"] = args.max_memory
     if not args.prefix_caching:
         pool_options["prefix_caching"] = False
+    if kv_offload_options(args) is not None:
+        pool_options["kv_offload"] = kv_offload_options(args)
     try:
         engine = Engine(
             model,

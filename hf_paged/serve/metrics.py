@@ -40,6 +40,15 @@ _SAMPLES = (  # name, kind, help
     ("hf_paged_compiled_graphs_total", "counter", "Step graphs compiled (a new one after the first: a recompilation)"),
     ("hf_paged_compile_seconds_total", "counter", "Seconds spent compiling step graphs"),
     ("hf_paged_decode_graph_replays_total", "counter", "Decode steps replayed from a captured graph, by size"),
+    ("hf_paged_kv_tier_enabled", "gauge", "1 while a tier behind the prefix cache works, 0 once it failed"),
+    ("hf_paged_kv_tier_hits_total", "counter", "Blocks loaded into the pool from a tier"),
+    ("hf_paged_kv_tier_tokens_loaded_total", "counter", "Prompt tokens loaded from a tier instead of computed"),
+    ("hf_paged_kv_tier_bytes_read_total", "counter", "Bytes read from a tier on hits"),
+    ("hf_paged_kv_tier_bytes_written_total", "counter", "Bytes written to a tier"),
+    ("hf_paged_kv_tier_entries", "gauge", "Blocks a tier holds"),
+    ("hf_paged_kv_tier_evictions_total", "counter", "Entries a tier dropped to stay within its budget"),
+    ("hf_paged_kv_tier_rejects_total", "counter", "Entries that failed their checksum or key (misses, deleted)"),
+    ("hf_paged_kv_tier_load_seconds_total", "counter", "Seconds spent reading and decoding a tier's hits"),
     ("hf_paged_tp_world_size", "gauge", "Tensor-parallel ranks serving the model (1: one process)"),
     ("hf_paged_rank_kv_blocks_used", "gauge", "KV blocks in use in each rank's pool"),
     ("hf_paged_rank_kv_usage_ratio", "gauge", "Share of each rank's KV blocks in use"),
@@ -122,6 +131,18 @@ class MetricsSnapshot:
             graphs = runner.decode_graphs
             for size in () if graphs is None else graphs.sizes:
                 values[f'hf_paged_decode_graph_replays_total{{size="{size}"}}'] = graphs.replays_by_size[size]
+        offload = getattr(getattr(engine, "pool", None), "offload", None)
+        for tier in [] if offload is None else offload.stats().tiers:
+            label = f'{{tier="{tier.name}"}}'
+            values["hf_paged_kv_tier_enabled" + label] = int(tier.enabled)
+            values["hf_paged_kv_tier_hits_total" + label] = tier.hits
+            values["hf_paged_kv_tier_tokens_loaded_total" + label] = tier.tokens_loaded
+            values["hf_paged_kv_tier_bytes_read_total" + label] = tier.bytes_read
+            values["hf_paged_kv_tier_bytes_written_total" + label] = tier.bytes_written
+            values["hf_paged_kv_tier_entries" + label] = tier.entries
+            values["hf_paged_kv_tier_evictions_total" + label] = tier.evictions
+            values["hf_paged_kv_tier_rejects_total" + label] = tier.rejects
+            values["hf_paged_kv_tier_load_seconds_total" + label] = tier.load_seconds
         states = getattr(engine, "rank_states", None) or [RankState.of(0, engine)]  # a DistributedEngine's ranks
         values["hf_paged_tp_world_size"] = len(states)
         for state in states:
