@@ -644,3 +644,41 @@ def test_negative_control_state_machine_catches_writes_into_shared_blocks():
     quick = settings(MACHINE_SETTINGS, max_examples=200, phases=[Phase.generate], report_multiple_bugs=False)
     with pytest.raises(AssertionError, match="shared by several tables|InvariantError|invariant"):
         run_state_machine_as_test(NoCopyOnWriteMachine, settings=quick)
+
+
+# ---------------------------------------------------------------------------- blocks loaded from a KV tier
+def test_adopt_cached_indexes_a_loaded_block_as_evictable_content():
+    allocator = BlockAllocator(num_blocks=3, block_size=2)
+    links = chain(root_hash(b"m"), [1, 2, 3, 4, 5, 6, 7, 8], 2)
+    first = allocator.adopt_cached(*links[0])
+    second = allocator.adopt_cached(*links[1])
+    assert (first, second) == (0, 1)
+    assert allocator.evictable_block_ids == [0, 1] and allocator.num_free == 3 and allocator.num_used == 0
+    assert allocator.lookup_blocks(links[:3]) == [0, 1, None]
+    allocator.check_invariants()
+    table = allocator.new_table()
+    allocator.share_cached(table, [0, 1])
+    assert [allocator.ref_count(b) for b in range(3)] == [1, 1, 0]
+    allocator.free(table)
+    allocator.check_invariants()
+
+
+def test_adopt_cached_evicts_the_least_recently_used_and_refuses_what_it_cannot_take():
+    allocator = BlockAllocator(num_blocks=2, block_size=2)
+    links = chain(root_hash(b"m"), [1, 2, 3, 4, 5, 6], 2)
+    allocator.adopt_cached(*links[0])
+    allocator.adopt_cached(*links[1])
+    allocator.pin_cached([0])  # pinned: the next load cannot evict it
+    assert allocator.adopt_cached(*links[2]) == 1 and allocator.stats().evictions == 1
+    assert allocator.lookup_blocks(links) == [0, None, 1]
+    with pytest.raises(ValueError, match="cached already"):
+        allocator.adopt_cached(*links[2])
+    table = allocator.new_table()
+    allocator.share_cached(table, [1])
+    with pytest.raises(PoolExhaustedError, match="a block loaded from a KV tier"):
+        allocator.adopt_cached(*chain(root_hash(b"other"), [9, 9], 2)[0])
+    assert allocator.lookup_blocks(links) == [0, None, 1]  # nothing changed
+    allocator.unpin_cached([0])
+    allocator.free(table)
+    assert allocator.evictable_block_ids == [0, 1]
+    allocator.check_invariants()

@@ -288,3 +288,39 @@ def test_exact_with_an_inexact_option_is_a_usage_error_before_the_model_loads(op
         main(["serve", "/no/such/model/m", *options])  # the model path is never read
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--kv-offload-dir", "{file}/kv"], "--kv-offload-dir '{file}/kv' cannot be written"),
+        (["--kv-offload-disk", "20GiB"], "--kv-offload-disk"),
+        (["--kv-offload-disk", "lots", "--kv-offload-dir", "{tmp}"], "argument --kv-offload-disk"),
+        (["--kv-offload-remote", "http://localhost:6379"], "is not a Redis URL"),
+        (["--kv-offload-remote", "redis://127.0.0.1:{port}/0"], "cannot be reached"),
+        (["--kv-offload-dir", "{tmp}", "--no-prefix-caching"], "with --no-prefix-caching there are none"),
+    ],
+)
+def test_kv_offload_options_are_checked_before_the_model_loads(tmp_path, capsys, options, message):
+    import socket
+
+    pytest.importorskip("redis")
+    from hf_paged.serve.cli import main
+
+    (tmp_path / "file").write_text("not a directory")
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    fill = {"file": tmp_path / "file", "tmp": tmp_path, "port": port}
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "/no/such/model/m", *[option.format(**fill) for option in options]])  # never read
+    assert exit_info.value.code == 2
+    assert message.format(**fill) in capsys.readouterr().err
+
+
+def test_kv_offload_options_become_the_engines_kv_offload():
+    from hf_paged.serve.cli import kv_offload_options
+
+    args = build_parser().parse_args(["serve", "m", "--kv-offload-dir", "/tmp/kv", "--kv-offload-disk", "2GiB"])
+    assert kv_offload_options(args) == {"dir": "/tmp/kv", "disk_bytes": "2GiB"}
+    assert kv_offload_options(build_parser().parse_args(["serve", "m"])) is None

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -22,6 +20,8 @@ from hf_paged import get_pool, release_pool
 from hf_paged.offload import CorruptBlockError, DirectoryStore, KVOffload, MemoryStore, OffloadConfig, RedisStore
 from hf_paged.offload.codec import decode, encode
 from hf_paged.reference_models import tiny_model
+
+from .redis_helpers import free_port, redis_server
 
 BLOCK = 8
 
@@ -139,7 +139,8 @@ def test_engine_reloads_and_reports_its_tiers(tmp_path):
         (disk,) = engine.stats().kv_tiers
         assert (disk.name, disk.hits, disk.tokens_loaded, disk.rejects) == ("disk", 9, 72, 0)
         assert engine.stats().prefix_hit_rate > 0.85
-        assert "KV tiers: directory" in engine.pool.offload.describe()
+        picture = hf_paged.render_pool_text(engine.pool).splitlines()
+        assert picture[1] == f"KV tiers: directory {tmp_path} (10.0 GiB)"
     assert first == second
 
 
@@ -389,34 +390,8 @@ def test_killed_and_concurrent_writers_leave_only_whole_files(tmp_path):
 # ---------------------------------------------------------------------------- Redis
 @pytest.fixture
 def redis_url(tmp_path):
-    server = shutil.which("redis-server")
-    pytest.importorskip("redis")
-    if server is None:
-        pytest.skip("redis-server is not installed (.ci/run installs it)")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    process = subprocess.Popen(
-        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        + ["--dir", str(tmp_path)],
-        stdout=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    import redis
-
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            redis.Redis.from_url(url).ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                process.kill()
-                raise
-            time.sleep(0.05)
-    yield url
-    process.terminate()
-    process.wait(10)
+    with redis_server(tmp_path) as url:
+        yield url
 
 
 def test_redis_tier_reloads_across_models(redis_url):
@@ -446,9 +421,7 @@ def test_redis_budget_and_unreachable_server(redis_url):
     assert store.contains("0000") and not store.contains("0001")
     store.delete("0000")
     assert store.nbytes() == 600 and store.get("0000") is None
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        closed = probe.getsockname()[1]
+    closed = free_port()
     with pytest.raises(ValueError, match=f"remote='redis://127.0.0.1:{closed}/0' cannot be reached"):
         RedisStore(f"redis://127.0.0.1:{closed}/0", max_bytes=1000, timeout=1.0)
     with pytest.raises(ValueError, match="is not a Redis URL"):

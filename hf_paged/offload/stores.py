@@ -62,9 +62,10 @@ class MemoryStore(BlockStore):
 
     ```python
     >>> store = MemoryStore(max_bytes=10)
-    >>> store.put("a", b"12345"); store.put("b", b"12345"); store.get("a") is not None
-    True
+    >>> store.put("a", b"12345"), store.put("b", b"12345"), store.get("a") is not None
+    (True, True, True)
     >>> store.put("c", b"12345")  # over budget: "b" (least recently used) goes
+    True
     >>> store.contains("b"), store.entries(), store.evictions
     (False, 2, 1)
 
@@ -134,7 +135,9 @@ class DirectoryStore(BlockStore):
     ```python
     >>> import tempfile
     >>> store = DirectoryStore(tempfile.mkdtemp(), max_bytes=2**20)
-    >>> store.put("ab01", b"K/V bytes"); store.get("ab01"), store.entries()
+    >>> store.put("ab01", b"K/V bytes")
+    True
+    >>> store.get("ab01"), store.entries()
     (b'K/V bytes', 1)
 
     ```

@@ -164,7 +164,8 @@ def render_metrics(snapshot: MetricsSnapshot) -> str:
     """Prometheus exposition text of `snapshot`: KV blocks used/free, usage and waste, prefix hit rate, preemptions,
     requests running/waiting, the server's request, token and step counters (steps by kind, positions computed and
     pad positions among them), the attention kernel in use and its calls, the pool's K/V format, each
-    tensor-parallel rank's KV blocks and bytes (labelled `rank="0"`, ...; one rank without tensor parallelism), and
+    tensor-parallel rank's KV blocks and bytes (labelled `rank="0"`, ...; one rank without tensor parallelism), the
+    tiers behind the prefix cache when `kv_offload` is on (`hf_paged_kv_tier_*`, labelled `tier="disk"`, ...), and
     the latency histograms (time to first token, inter-token latency, end-to-end latency, queue time:
     `_bucket{le="..."}`, `_sum`, `_count`).
 

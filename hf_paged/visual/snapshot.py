@@ -65,6 +65,7 @@ class PoolSnapshot:
             order (`None`: a block its sliding window skipped, given back).
         num_tokens (`tuple[int, ...]`): tokens in each shown sequence.
         kv_label (`str`, *optional*): how the pool stores K/V (`"float32"`, `"int8"`, ...), for a pool of a model.
+        tiers (`str`, *optional*): the tiers behind the pool's prefix cache (`KVOffload.describe()`), if any.
         block_bytes (`int`, *optional*): what one block costs in memory (quantization scales included), for a pool
             of a model.
 
@@ -89,6 +90,7 @@ class PoolSnapshot:
     num_tokens: tuple[int, ...]
     kv_label: str | None = None
     block_bytes: int | None = None
+    tiers: str | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -173,6 +175,7 @@ def pool_snapshot(source, tables=None) -> PoolSnapshot:
             num_tokens=tuple(table.num_tokens for table in table_list),
             kv_label=kv_label,
             block_bytes=block_bytes,
+            tiers=_tiers_of(source),
         )
 
 
@@ -185,6 +188,12 @@ def _memory_of(source) -> tuple[str | None, int | None]:
         return None, None
     label = stats.kv_dtype if stats.kv_dtype != "auto" else str(pool.kv_shape.dtype).removeprefix("torch.")
     return label, stats.block_bytes
+
+
+def _tiers_of(source) -> str | None:
+    """The tiers behind the pool of `source`, in one line (`None` without tiers)."""
+    offload = getattr(getattr(source, "pool", source), "offload", None)
+    return None if offload is None else offload.describe()
 
 
 def _size(num_bytes: int) -> str:

@@ -26,7 +26,8 @@ def render_pool_text(source, tables=None, *, columns: int = 64, max_blocks: int 
     A block of the n-th shown sequence is the n-th capital letter, or the sequence's own label when every label is a
     single capital letter (lower case when the block is partly filled),
     `*` a block shared by several tables (refcount > 1), `o` a cached block no table holds (evictable, counts as
-    free), `#` a block held only by tables not shown, `.` a free block.
+    free), `#` a block held only by tables not shown, `.` a free block. A pool with tiers behind its prefix cache
+    (`kv_offload`) names them on the second line.
 
     Args:
         source, tables: as for `pool_snapshot` (at most 26 sequences).
@@ -65,6 +66,8 @@ def render_pool_text(source, tables=None, *, columns: int = 64, max_blocks: int 
     shown = shown_blocks(snapshot, columns, max_blocks)
     glyphs = _glyphs(snapshot.labels)
     lines = [snapshot.summary(shown)]
+    if snapshot.tiers is not None:
+        lines.append(snapshot.tiers)
     for start in range(0, shown, columns):
         row = "".join(_glyph(snapshot, glyphs, block) for block in snapshot.blocks[start : min(start + columns, shown)])
         lines.append(f"{start:>6} {row}")
