@@ -5,7 +5,7 @@ version counters, Python's salted `hash`). A block written to a tier is keyed in
 a *persistent root*, a digest of:
 
 - every parameter and buffer of the model, byte for byte (adapter weights included; computed once per set of
-  weights: about 0.4 s for SmolLM2-135M in float32 on a CPU, then cached until a weight changes);
+  weights: about 1.0 s for SmolLM2-135M in float32 on 2 CPU cores, then cached until a weight changes);
 - the model's class and config (its path left out: a copy elsewhere holds the same weights), its dtype and
   `torch.autocast`'s, the adapters' state (which run, disabled, merged, their scaling);
 - the pool's page format and block size, and the tensor-parallel rank;
