@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from urllib.parse import urlparse
 
-from ..config import parse_memory
+from ..sizes import parse_memory
 
 DEFAULT_DISK_BYTES = 10 * 1024**3
 DEFAULT_REMOTE_BYTES = 4 * 1024**3
