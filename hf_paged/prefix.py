@@ -48,12 +48,11 @@ class _ModelSample:
         digest = hashlib.blake2b(values.numpy().tobytes(), digest_size=DIGEST_SIZE, person=b"hf_paged-weights")
         return f"{version}:{digest.hexdigest()}"
 
-    def adapter_key(self) -> str:
-        """The adapter layers' state that changes their output without changing a weight (see
-        `adapter_state_key`); a hash valid within this process."""
-        if not self.adapter_layers:
-            return ""
-        states = tuple(
+    def adapter_states(self) -> tuple:
+        """Every adapter layer's state that changes its output without changing a weight: its active adapters,
+        whether adapters are disabled, the merged ones, and their scaling (plain values, the same in every
+        process)."""
+        return tuple(
             (
                 tuple(layer.active_adapters),
                 layer.disable_adapters,
@@ -62,7 +61,12 @@ class _ModelSample:
             )
             for layer in self.adapter_layers
         )
-        return f"adapters:{hash(states)}"
+
+    def adapter_key(self) -> str:
+        """`adapter_states` as a hash valid within this process (see `adapter_state_key`)."""
+        if not self.adapter_layers:
+            return ""
+        return f"adapters:{hash(self.adapter_states())}"
 
 
 def _scaling(layer) -> tuple | str:
@@ -111,6 +115,12 @@ def adapter_state_key(model: torch.nn.Module) -> str:
     adapters each layer runs (`set_adapter`), whether adapters are disabled (`disable_adapter()`), which are merged,
     and their scaling (`set_scale`). Empty without adapter layers."""
     return _sample_of(model)[0].adapter_key()
+
+
+def adapter_states(model: torch.nn.Module) -> tuple:
+    """The PEFT adapter layers' state that changes their output without changing a weight, as plain values (what
+    `adapter_state_key` hashes; `hf_paged.offload` keys blocks kept across processes by it)."""
+    return _sample_of(model)[0].adapter_states()
 
 
 _training_reads = itertools.count()

@@ -1,4 +1,5 @@
-"""Memory sizes as users write them: bytes, or a number with a unit (`"512MiB"`, `"2 GB"`)."""
+"""Memory sizes as users write them (bytes, or a number with a unit: `"512MiB"`, `"2 GB"`) and as hf_paged prints
+them."""
 
 from __future__ import annotations
 
@@ -47,3 +48,20 @@ def parse_memory(value: int | str, name: str = "max_memory") -> int:
     if number <= 0:
         raise ValueError(f"{name} must be > 0 bytes, got {value!r}")
     return number
+
+
+def format_bytes(num_bytes: int) -> str:
+    """`num_bytes` in the largest binary unit it reaches, one decimal.
+
+    Example:
+
+    ```python
+    >>> format_bytes(3 * 2**29), format_bytes(2048), format_bytes(12)
+    ('1.5 GiB', '2.0 KiB', '12 B')
+
+    ```
+    """
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes} B"

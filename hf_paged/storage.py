@@ -194,10 +194,12 @@ class KVStorage:
         """A copy on the CPU of blocks `block_ids` in every allocated lane, as stored (codes and scales of a quantized
         format): `k.LANE`, `v.LANE` (`[len(block_ids), block_size, num_kv_heads, head_dim or code_dim]`), `ks.LANE`,
         `vs.LANE` (`[len(block_ids), block_size, num_kv_heads]`)."""
-        out = {}
+        out, indices = {}, {}
         for prefix, tensors in zip(_PARTS, (self.keys, self.values, self.key_scales, self.value_scales)):
             for lane, tensor in tensors.items():
-                index = torch.tensor(block_ids, device=tensor.device)
+                index = indices.get(tensor.device)
+                if index is None:
+                    index = indices[tensor.device] = torch.tensor(block_ids, device=tensor.device)
                 out[f"{prefix}.{lane}"] = tensor.index_select(0, index).to("cpu")
         return out
 

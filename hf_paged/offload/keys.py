@@ -22,7 +22,7 @@ import weakref
 
 import torch
 
-from ..prefix import DIGEST_SIZE, _local_shard, weights_key
+from ..prefix import DIGEST_SIZE, _local_shard, adapter_states, weights_key
 from ..storage import autocast_dtype
 from .codec import FORMAT
 
@@ -80,7 +80,7 @@ def persistent_root(model: torch.nn.Module, kv_dtype: str, block_size: int, tp_r
         "dtype": str(next(model.parameters()).dtype),
         "autocast": str(autocast_dtype(model)),
         "weights": weights_digest(model),
-        "adapters": _adapter_state(model),
+        "adapters": adapter_states(model),
         "kv_dtype": kv_dtype,
         "block_size": block_size,
         "tp_rank": tp_rank,
@@ -89,22 +89,3 @@ def persistent_root(model: torch.nn.Module, kv_dtype: str, block_size: int, tp_r
     }
     text = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.blake2b(text.encode(), digest_size=DIGEST_SIZE, person=b"hf_paged-proot").digest()
-
-
-def _adapter_state(model: torch.nn.Module) -> list:
-    """The PEFT adapter layers' state that changes their output without changing a weight, in a form stable across
-    processes."""
-    state = []
-    for name, module in model.named_modules():
-        if hasattr(module, "active_adapters") and hasattr(module, "merged_adapters"):
-            scaling = getattr(module, "scaling", None)
-            state.append(
-                [
-                    name,
-                    list(module.active_adapters),
-                    bool(getattr(module, "disable_adapters", False)),
-                    list(module.merged_adapters),
-                    sorted(scaling.items()) if isinstance(scaling, dict) else repr(scaling),
-                ]
-            )
-    return state

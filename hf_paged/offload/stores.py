@@ -19,6 +19,8 @@ import time
 import uuid
 from collections import OrderedDict
 
+from ..sizes import format_bytes
+
 SUFFIX = ".safetensors"
 _TEMP_PREFIX = ".tmp-"
 
@@ -116,7 +118,7 @@ class MemoryStore(BlockStore):
         return self._bytes
 
     def describe(self) -> str:
-        return f"host memory ({_size(self.max_bytes)})"
+        return f"host memory ({format_bytes(self.max_bytes)})"
 
 
 class DirectoryStore(BlockStore):
@@ -248,7 +250,7 @@ class DirectoryStore(BlockStore):
         return self._bytes
 
     def describe(self) -> str:
-        return f"directory {self.path} ({_size(self.max_bytes)})"
+        return f"directory {self.path} ({format_bytes(self.max_bytes)})"
 
 
 # KEYS: the entry, the recency sorted set, the byte counter. ARGV: value, now, budget. Stores a new value (an existing
@@ -344,7 +346,7 @@ class RedisStore(BlockStore):
         return int(self.client.get(self._bytes_key) or 0)
 
     def describe(self) -> str:
-        return f"Redis {self.url} ({_size(self.max_bytes)})"
+        return f"Redis {self.url} ({format_bytes(self.max_bytes)})"
 
 
 def check_writable_directory(path: str) -> None:
@@ -371,10 +373,3 @@ def _remove(path: str) -> None:
         os.remove(path)
     except FileNotFoundError:
         pass
-
-
-def _size(num_bytes: int) -> str:
-    for unit, factor in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if num_bytes >= factor:
-            return f"{num_bytes / factor:.1f} {unit}"
-    return f"{num_bytes} B"

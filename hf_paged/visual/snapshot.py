@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from ..allocator import BlockAllocator, BlockTable, tokens_per_block
 from ..pool import BlockPool
+from ..sizes import format_bytes
 
 FREE, USED, EVICTABLE = "free", "used", "evictable"
 GLYPHS = string.ascii_uppercase
@@ -103,7 +104,7 @@ class PoolSnapshot:
         memory = ""
         if self.block_bytes is not None:
             used, total = num_used * self.block_bytes, self.num_blocks * self.block_bytes
-            memory = f"; {_size(used)} of {_size(total)} of {self.kv_label} K/V"
+            memory = f"; {format_bytes(used)} of {format_bytes(total)} of {self.kv_label} K/V"
         return f"{self.num_blocks} blocks x {self.block_size} tokens: {num_used} used, {free}{memory}; " + (
             f"blocks 0-{shown - 1} shown"
         )
@@ -194,13 +195,6 @@ def _tiers_of(source) -> str | None:
     """The tiers behind the pool of `source`, in one line (`None` without tiers)."""
     offload = getattr(getattr(source, "pool", source), "offload", None)
     return None if offload is None else offload.describe()
-
-
-def _size(num_bytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if num_bytes >= scale:
-            return f"{num_bytes / scale:.1f} {unit}"
-    return f"{num_bytes} B"
 
 
 def _resolve_source(source) -> tuple[BlockAllocator, list[BlockTable], str]:
