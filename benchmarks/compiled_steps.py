@@ -10,6 +10,7 @@ up with 4 short requests (compiling, for the compiled variants: the time is repo
 - `compiled`: `Engine(compile=True)` (inductor, weights frozen into the graph; what the default `compile="auto"` runs on
   a CPU with a C++ compiler);
 - `compiled-unfrozen`: the same with inductor's freezing off (weights stay graph inputs; `step_runner.FREEZE`);
+- `compiled-python`: compiled with inductor's host code in Python instead of C++ (`step_runner.CPP_WRAPPER`);
 - `compiled-BxT`: compiled with `max_batch_size=B, max_num_batched_tokens=T`.
 
 Reported per variant: tokens/s, start-up, compile seconds and graphs, how much the process's RSS grew from before
@@ -28,7 +29,7 @@ import gc
 import re
 import time
 
-VARIANT = re.compile(r"^(eager|compiled|compiled-unfrozen|compiled-(\d+)x(\d+))$")
+VARIANT = re.compile(r"^(eager|compiled|compiled-unfrozen|compiled-python|compiled-(\d+)x(\d+))$")
 
 
 def run_variant(
@@ -44,6 +45,7 @@ def run_variant(
     if match.group(2):
         limits = {"max_batch_size": int(match.group(2)), "max_num_batched_tokens": int(match.group(3))}
     step_runner.FREEZE = name != "compiled-unfrozen"
+    step_runner.CPP_WRAPPER = name != "compiled-python"
     hf_paged.release_pool(model)
     gc.collect()
     rss_before = psutil.Process().memory_info().rss
@@ -75,7 +77,7 @@ def run_variant(
         "rss": (psutil.Process().memory_info().rss - rss_before) / 2**20,
     }
     engine.close()
-    step_runner.FREEZE = True
+    step_runner.FREEZE = step_runner.CPP_WRAPPER = True
     return result
 
 
@@ -111,7 +113,8 @@ def main() -> None:
     args = parser.parse_args()
     for name in args.variants:
         if not VARIANT.match(name):
-            parser.error(f"--variants: {name!r} is not eager, compiled, compiled-unfrozen or compiled-BxT")
+            names = "eager, compiled, compiled-unfrozen, compiled-python or compiled-BxT"
+            parser.error(f"--variants: {name!r} is not {names}")
 
     import torch
     from common import environment, markdown_table

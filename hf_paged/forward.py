@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -160,7 +161,7 @@ def attention_implementation(model: torch.nn.Module, implementation: str):
             previous = model.config._attn_implementation
             saved = _implementations(model.config)  # sub-models may differ (a Gemma2 text model on eager)
             if previous != implementation:
-                model.set_attn_implementation(implementation)
+                _switch(model, implementation)
             entry = _switched[key] = [0, previous, saved]
         elif (current := model.config._attn_implementation) != implementation:
             raise RuntimeError(
@@ -179,6 +180,71 @@ def attention_implementation(model: torch.nn.Module, implementation: str):
                     _restore_implementations(model, entry[2])
 
 
+class _RecordedSwitch:
+    """What `set_attn_implementation(implementation)` changed on one model: the configs it wrote (the model's, its
+    sub-configs', its sub-models'), with their values before and after. The Engine switches its model at every step
+    and back, and `set_attn_implementation` walks every module and checks the implementation each time (about a
+    millisecond a step for SmolLM2); a switch from the same values replays the recorded writes instead."""
+
+    def __init__(self, configs: list, implementation: str, before: tuple, after: tuple):
+        self.configs, self.implementation, self.before, self.after = configs, implementation, before, after
+
+    @classmethod
+    def record(cls, model: torch.nn.Module, implementation: str) -> _RecordedSwitch:
+        """Switch `model` to `implementation` with `set_attn_implementation`, recording what it wrote."""
+        configs = _configs_of(model)
+        before = _values(configs)
+        model.set_attn_implementation(implementation)
+        return cls(configs, implementation, before, _values(configs))
+
+    def replay(self, model: torch.nn.Module, implementation: str) -> bool:
+        """Write the recorded values if `model` is as it was before the recorded switch; else `False`."""
+        if implementation != self.implementation or _values(self.configs) != self.before:
+            return False
+        _write(self.configs, self.after)
+        return True
+
+    def undo(self) -> bool:
+        """Put back the values from before the switch if nothing changed them since; else `False`."""
+        if _values(self.configs) != self.after:
+            return False
+        _write(self.configs, self.before)
+        return True
+
+
+_recorded_switches: weakref.WeakKeyDictionary[torch.nn.Module, _RecordedSwitch] = weakref.WeakKeyDictionary()
+
+
+def _switch(model: torch.nn.Module, implementation: str) -> None:
+    recorded = _recorded_switches.get(model)
+    if recorded is None or not recorded.replay(model, implementation):
+        _recorded_switches[model] = _RecordedSwitch.record(model, implementation)
+
+
+def _configs_of(model: torch.nn.Module) -> list:
+    """Every config `set_attn_implementation` may write: the model's, its sub-configs' at any depth and its
+    sub-models' (distinct objects, in a fixed order)."""
+    configs, seen = [], set()
+    pending = [model.config] + [m.config for m in model.modules() if m is not model and hasattr(m, "config")]
+    while pending:
+        config = pending.pop(0)
+        if id(config) in seen or not hasattr(config, "_attn_implementation_internal"):
+            continue
+        seen.add(id(config))
+        configs.append(config)
+        pending += [getattr(config, name, None) for name in getattr(config, "sub_configs", {})]
+    return configs
+
+
+def _values(configs: list) -> tuple:
+    return tuple(config._attn_implementation_internal for config in configs)
+
+
+def _write(configs: list, values: tuple) -> None:
+    for config, value in zip(configs, values):
+        config._attn_implementation_internal = value
+
+
 def _implementations(config) -> dict:
     """The attention implementation of `config` and of each of its sub-configs, nested as
     `PreTrainedModel.set_attn_implementation` takes them: `{"": own, sub-config name: {...}}`."""
@@ -191,9 +257,12 @@ def _implementations(config) -> dict:
 
 
 def _restore_implementations(model: torch.nn.Module, saved: dict) -> None:
-    """Put back the implementations `_implementations` saved. A sub-config whose sub-model the model does not hold
-    (Moshi's audio encoder) may have had none (`None`), which `set_attn_implementation` refuses: it gets `None`
-    back directly."""
+    """Put back the implementations `_implementations` saved (replaying the recorded switch backwards where
+    nothing else changed them). A sub-config whose sub-model the model does not hold (Moshi's audio encoder) may
+    have had none (`None`), which `set_attn_implementation` refuses: it gets `None` back directly."""
+    recorded = _recorded_switches.get(model)
+    if recorded is not None and recorded.undo() and _implementations(model.config) == saved:
+        return
     model.set_attn_implementation(_pruned(saved))
     _reset_unset(model.config, saved)
 

@@ -87,8 +87,25 @@ def _local_shard(parameter: torch.Tensor) -> torch.Tensor:
         return to_local()
 
 
+def _parameters(model: torch.nn.Module) -> list[torch.Tensor]:
+    """`list(model.parameters())`, in its order, by a walk that builds no module names: read at every step of the
+    Engine, where `Module.parameters()` cost a third of a millisecond for SmolLM2 and this a tenth."""
+    parameters, seen_parameters, seen_modules, stack = [], set(), set(), [model]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen_modules:
+            continue
+        seen_modules.add(id(module))
+        for parameter in module._parameters.values():
+            if parameter is not None and id(parameter) not in seen_parameters:
+                seen_parameters.add(id(parameter))
+                parameters.append(parameter)
+        stack.extend(reversed([child for child in module._modules.values() if child is not None]))
+    return parameters
+
+
 def _sample_of(model: torch.nn.Module) -> tuple[_ModelSample, list[torch.Tensor]]:
-    parameters = [_local_shard(parameter) for parameter in model.parameters()]
+    parameters = [_local_shard(parameter) for parameter in _parameters(model)]
     addresses = [parameter.data_ptr() for parameter in parameters]
     sample = _model_samples.get(model)
     if sample is None or sample.addresses != addresses:

@@ -271,6 +271,32 @@ def test_attention_implementation_is_restored_even_when_generate_fails(llama):
     assert get_pool(llama).stats().num_used == 0
 
 
+def test_the_attention_switch_replays_what_set_attn_implementation_wrote(monkeypatch):
+    """Every paged call (and every Engine step) switches the model's attention and back; after the first,
+    `set_attn_implementation` (a walk of every module) is not called again while nothing else changed the
+    implementations, and what the user sets between calls is what the next call starts from and restores."""
+    from hf_paged.forward import _implementations
+
+    model = tiny_model("llama")
+    calls = []
+    original = model.set_attn_implementation
+    monkeypatch.setattr(model, "set_attn_implementation", lambda value: calls.append(value) or original(value))
+    input_ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(0))
+    options = {"max_new_tokens": 3, "pad_token_id": 0, "do_sample": False}
+    reference = model.generate(input_ids, **options)
+    first = model.generate(input_ids, **options, cache_implementation="paged")
+    assert len(calls) == 1 and model.config._attn_implementation == "sdpa"  # recorded, then undone by replay
+    second = model.generate(input_ids, **options, cache_implementation="paged")
+    assert len(calls) == 1 and model.config._attn_implementation == "sdpa"
+    assert torch.equal(first, reference) and torch.equal(second, reference)
+    original("eager")  # the user's own switch between calls: the recorded values no longer apply
+    with hf_paged.Engine(model, exact=True) as engine:  # switches an eager model to "hf_paged" (in eager math)
+        outputs = engine.generate(input_ids.tolist(), max_new_tokens=3)
+    assert len(calls) == 2 and _implementations(model.config) == {"": "eager"}
+    assert [o.token_ids for o in outputs] == reference[:, 5:].tolist()
+    hf_paged.release_pool(model)
+
+
 # ---------------------------------------------------------------------- negative control
 def test_negative_control_without_mask_registration_padded_batch_goes_wrong(llama, monkeypatch):
     """Proves the equivalence test can fail: with no mask function registered for "hf_paged", transformers builds

@@ -643,8 +643,9 @@ def test_sub_configs_without_a_sub_model_moshi_keep_their_unset_attention(mode):
     model = tiny("MoshiConfig", "MoshiForCausalLM", head_dim=16, max_position_embeddings=256, **options)
     before = _implementations(model.config)
     assert before["audio_encoder_config"] == {"": None}
-    check_mode(model, CACHE, mode)
-    assert _implementations(model.config) == before
+    for _ in range(2):  # the second call replays the first one's recorded switch
+        check_mode(model, CACHE, mode)
+        assert _implementations(model.config) == before
 
 
 def test_git_without_an_image_is_refused_for_left_padded_rows_whose_pads_stock_attends():

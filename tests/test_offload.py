@@ -19,6 +19,7 @@ import hf_paged
 from hf_paged import get_pool, release_pool
 from hf_paged.offload import CorruptBlockError, DirectoryStore, KVOffload, MemoryStore, OffloadConfig, RedisStore
 from hf_paged.offload.codec import decode, encode
+from hf_paged.prefix import chain
 from hf_paged.reference_models import tiny_model
 
 from .redis_helpers import free_port, redis_server
@@ -78,8 +79,12 @@ def test_reload_from_disk_is_bit_exact_and_gives_the_same_tokens(tmp_path, kv_dt
     assert get_pool(second).stats().prefix_tokens_reused >= 96
     assert torch.equal(out_first, out_second)
     loaded = _blocks_by_key(second)
-    common = set(written) & set(loaded)
-    assert len(common) >= 12
+    # the 12 blocks loaded; the 13th (tokens 96-103) each process computed, in other matmul shapes (a 100-token
+    # prefill, a 4-token one after the loaded prefix), which may round differently on some CPUs
+    (persistent_root,) = set(get_pool(second).offload._roots.values())
+    prompt_keys = {key for key, _ in chain(persistent_root, ids[0, :96].tolist(), BLOCK)}
+    common = set(written) & set(loaded) & prompt_keys
+    assert len(common) == 12
     assert all(_bits_equal(written[key], loaded[key]) for key in common)
     if kv_dtype == "auto":
         reference = second.generate(ids, max_new_tokens=8, do_sample=False, past_key_values=DynamicCache())
@@ -289,6 +294,32 @@ def test_host_tier_serves_before_the_disk(tmp_path):
     _generate(again, ids, tiers={"dir": str(tmp_path), "host_bytes": "64MiB"})
     host, disk = get_pool(again).offload.stats().tiers
     assert host.tokens_loaded == 56 and disk.tokens_loaded == 0
+
+
+def test_a_hit_in_a_lower_tier_is_promoted_to_the_tiers_above(tmp_path):
+    """A block found on disk (written by an earlier process) is loaded and copied into the host tier, whose next
+    load serves it; the disk's entries are not read again."""
+    ids = _prompt(64, seed=12)
+    first = _fresh()
+    reference = _generate(first, ids, {"dir": str(tmp_path)})
+    get_pool(first).offload.flush()
+    release_pool(first)
+    again = _fresh()  # a new process's view: an empty host tier over the same directory
+    tiers = {"dir": str(tmp_path), "host_bytes": "64MiB"}
+    assert torch.equal(_generate(again, ids, tiers), reference)
+    offload = get_pool(again).offload
+    offload.flush()
+    host, disk = offload.stats().tiers
+    assert (host.tokens_loaded, disk.tokens_loaded) == (0, 56)
+    assert host.writes >= 7 and host.entries >= 7  # the 7 blocks loaded from the disk, promoted
+    release_pool(again)
+    for path in tmp_path.rglob("*.safetensors"):
+        path.unlink()  # only the host tier holds them now
+    third = _fresh()
+    get_pool(third, block_size=BLOCK, num_blocks=96).offload = offload
+    assert torch.equal(_generate(third, ids, tiers), reference)
+    host, disk = get_pool(third).offload.stats().tiers
+    assert (host.tokens_loaded, disk.tokens_loaded) == (56, 56)
 
 
 # ---------------------------------------------------------------------------- faults

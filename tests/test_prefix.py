@@ -628,3 +628,19 @@ def test_the_weights_key_sees_what_the_readme_says():
     assert len(set(keys)) == len(keys)
     weight.data.view(-1)[1] += 1.0  # `.data` on an element no sample covers: unseen, as documented
     assert weights_key(model) == keys[-1]
+
+
+def test_the_parameter_walk_lists_what_module_parameters_lists():
+    """`prefix._parameters` (read at every Engine step) is `list(model.parameters())`: same tensors, same order, a
+    tied weight and a module held twice listed once, a parameter set to `None` skipped, LoRA layers included."""
+    from hf_paged.prefix import _parameters
+
+    model = tiny_model("llama", tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.model.extra = model.model.layers[0].mlp  # one module at two places
+    model.model.layers[1].mlp.gate_proj.register_parameter("bias", None)
+    assert [id(p) for p in _parameters(model)] == [id(p) for p in model.parameters()]
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    assert [id(p) for p in _parameters(lora)] == [id(p) for p in lora.parameters()]
+    assert len(_parameters(lora)) > len(list(tiny_model("llama").parameters()))

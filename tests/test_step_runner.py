@@ -46,11 +46,14 @@ def backend(monkeypatch):
 
 @pytest.mark.parametrize(
     "family, compiler",
-    [("llama", "inductor"), ("gemma2", "inductor"), ("qwen3", "aot_eager"), ("starcoder2", "aot_eager")],
-)
+    [("llama", "inductor-cpp"), ("gemma2", "inductor-cpp"), ("llama", "inductor"), ("qwen3", "aot_eager"),
+     ("starcoder2", "aot_eager")],
+)  # fmt: skip
 def test_compiled_steps_give_the_eager_engines_tokens(family, compiler, monkeypatch):
-    # gemma2: full and sliding layer groups, soft-capped logits; starcoder2: every layer sliding (window 6)
-    monkeypatch.setattr(step_runner, "COMPILE_BACKEND", compiler)
+    # gemma2: full and sliding layer groups, soft-capped logits; starcoder2: every layer sliding (window 6);
+    # inductor-cpp: the default, inductor's host code in C++ (the suite's other compiles keep Python's, conftest.py)
+    monkeypatch.setattr(step_runner, "CPP_WRAPPER", compiler == "inductor-cpp")
+    monkeypatch.setattr(step_runner, "COMPILE_BACKEND", compiler.removesuffix("-cpp"))
     model = tiny_model(family)
     batch = prompts(20)
     tokens, logprobs, eager = run(model, False, batch)
@@ -222,7 +225,8 @@ def test_exact_conflicts_are_refused_before_anything_is_built(options, message):
     assert len(hf_paged.live_pools()) == pools  # no pool was built
 
 
-def test_smollm2_default_engine_gives_the_exact_engines_tokens(smollm2):
+def test_smollm2_default_engine_gives_the_exact_engines_tokens(smollm2, monkeypatch):
+    monkeypatch.setattr(step_runner, "CPP_WRAPPER", True)  # the default (conftest.py chooses Python's for the suite)
     model, tokenizer = smollm2
     questions = ["What is the capital of France?", "Name three primary colors.", "Count from one to five."]
     chats = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False) for q in questions]
@@ -234,6 +238,18 @@ def test_smollm2_default_engine_gives_the_exact_engines_tokens(smollm2):
             runs[exact] = [o.token_ids for o in outputs], engine.runner.compiled_steps, engine.runner.graphs
     assert runs[False][0] == runs[True][0]
     assert runs[True][1] == 0 and runs[False][1] > 20 and runs[False][2] == 1
+
+
+@pytest.mark.parametrize(
+    "value, expected", [(None, True), ("1", True), ("true", True), ("0", False), ("off", False), ("no", False)]
+)
+def test_the_cpp_wrapper_setting_reads_the_environment(value, expected):
+    assert step_runner.cpp_wrapper_from_env(value) is expected
+
+
+def test_a_malformed_cpp_wrapper_setting_is_refused_naming_it():
+    with pytest.raises(ValueError, match="HF_PAGED_CPP_WRAPPER='maybe': expected 1 .* or 0"):
+        step_runner.cpp_wrapper_from_env("maybe")
 
 
 def test_compile_with_packed_linear_layers_is_refused_naming_both():

@@ -29,6 +29,7 @@ import contextlib
 import inspect
 import itertools
 import logging
+import os
 import warnings
 
 import torch
@@ -55,6 +56,21 @@ logger = logging.getLogger(__name__)
 
 COMPILE_BACKEND = "inductor"  # torch.compile's backend for compiled steps (tests may swap it)
 FREEZE = True  # inductor's freezing: weights folded into the graph (benchmarks/compiled_steps.py measures without)
+CPP_WRAPPER_ENV = "HF_PAGED_CPP_WRAPPER"
+
+
+def cpp_wrapper_from_env(value: str | None) -> bool:
+    """Whether compiled CPU steps get inductor's host code in C++ (its "cpp wrapper") instead of Python, from the
+    `HF_PAGED_CPP_WRAPPER` environment variable: unset or `1` yes (SmolLM2's step calls about 900 kernels and views,
+    whose Python glue cost 4-9% of a step, docs/benchmarks.md), `0` no (compiling takes ~40% less time)."""
+    if value is None or value.strip().lower() in ("", "1", "true", "yes", "on"):
+        return True
+    if value.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{CPP_WRAPPER_ENV}={value!r}: expected 1 (C++ host code for compiled CPU steps) or 0 (Python)")
+
+
+CPP_WRAPPER = cpp_wrapper_from_env(os.environ.get(CPP_WRAPPER_ENV))  # CUDA steps keep Python's host code
 
 
 def check_compile(value, exact: bool = False, cpu_linear: str = "stock") -> bool | str:
@@ -323,7 +339,7 @@ class StepRunner:
         """The forward a decode graph records: the compiled one where steps compile, else the eager step forward."""
         if self.compile and self.disabled is None:
             ops.mark_varying((input_ids, (1,)), (position_ids, (1,)), (last, (0,)), *tensors.varying())
-            with torch._inductor.config.patch(freezing=FREEZE), counting_graphs(self, "the Engine's step forward"):
+            with self._inductor_settings(), counting_graphs(self, "the Engine's step forward"):
                 return self._compiled(self.model, self.keep_last_logits, input_ids, position_ids, last, tensors)
         return _run_model(self.model, self.keep_last_logits, input_ids, position_ids, last, tensors)
 
@@ -334,6 +350,11 @@ class StepRunner:
             fresh_function(_run_model), backend=COMPILE_BACKEND, fullgraph=True, dynamic=False
         )
         self._weights = self._weights_key()
+
+    def _inductor_settings(self):
+        """Inductor's settings for the step forward, read while it compiles, inside the call (torch.compile's
+        `options` did not reach `freezing`): freezing, and the C++ host code on the CPU."""
+        return torch._inductor.config.patch(freezing=FREEZE, cpp_wrapper=CPP_WRAPPER and self.device.type == "cpu")
 
     def _weights_key(self) -> bytes:
         """What the model's weights are now (`prefix.prefix_namespace`; the planner refreshes it every step when
@@ -348,8 +369,7 @@ class StepRunner:
             logger.info("hf_paged: the model's weights changed since the Engine compiled its steps: compiling again")
             self._build()
         try:
-            # freezing is read while inductor compiles, inside the call (torch.compile's `options` did not reach it)
-            with torch._inductor.config.patch(freezing=FREEZE), counting_graphs(self, "the Engine's step forward"):
+            with self._inductor_settings(), counting_graphs(self, "the Engine's step forward"):
                 logits = self._compiled(self.model, self.keep_last_logits, input_ids, position_ids, last, tensors)
         except COMPILE_ERRORS as error:
             return self._disable(describe_error(error))

@@ -223,17 +223,24 @@ class KVOffload:
             return
         tensors = storage.blocks_tensors(block_ids)
         size = sum(t.numel() * t.element_size() for t in tensors.values())
-        with self._pending_lock:
-            if self._pending_bytes + size > MAX_PENDING_BYTES:
-                self._dropped += len(keys)
-                return
-            self._pending_bytes += size
+        if not self._enqueue((keys, tensors, None), size, len(keys)):
+            return
         for key in keys:
             self._written[key] = None
         while len(self._written) > _MAX_LINKS:
             self._written.popitem(last=False)
+
+    def _enqueue(self, item: tuple, size: int, count: int) -> bool:
+        """Queue `item` (`(keys, tensors to encode, None)`, or `(keys, None, (encoded bytes, tiers))`) for the
+        writer, unless `MAX_PENDING_BYTES` are already waiting (then its `count` blocks are dropped)."""
+        with self._pending_lock:
+            if self._pending_bytes + size > MAX_PENDING_BYTES:
+                self._dropped += count
+                return False
+            self._pending_bytes += size
         self._start_writer()
-        self._queue.put((keys, tensors, size))
+        self._queue.put((*item, size))
+        return True
 
     def _start_writer(self) -> None:
         if self._writer is None or not self._writer.is_alive():
@@ -246,10 +253,13 @@ class KVOffload:
             try:
                 if item is None:
                     return
-                keys, tensors, size = item
+                keys, tensors, promoted, size = item
                 for index, key in enumerate(keys):
-                    data = encode(key.hex(), {name: tensor[index] for name, tensor in tensors.items()})
-                    for tier in self.tiers:
+                    if promoted is None:
+                        data, tiers = encode(key.hex(), {name: tensor[index] for name, tensor in tensors.items()}), None
+                    else:
+                        data, tiers = promoted
+                    for tier in self.tiers if tiers is None else tiers:
                         if not tier.enabled:
                             continue
                         try:
@@ -347,6 +357,9 @@ class KVOffload:
                 continue
             block_id = pool.allocator.adopt_cached(ours, tokens)
             storage.load_block(block_id, tensors, pool.kv_shape.dtype, self.device)
+            upper = [other for other in self.tiers[: self.tiers.index(tier)] if other.enabled]
+            if upper:  # promoted: the faster tiers above keep it too (written by the writer, off the lock)
+                self._enqueue(([key], None, (data, upper)), len(data), 1)
             tier.stats.hits += 1
             tier.stats.tokens_loaded += len(tokens)
             tier.stats.bytes_read += len(data)
