@@ -14,13 +14,11 @@ Usage: python benchmarks/decode_step_parts.py [--batch 1] [--context 128] [--new
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
-import time
 from collections import defaultdict
 
 import torch
-from common import environment, load_model, markdown_table
+from common import environment, load_model, markdown_table, timing
 from decode_speed import StepClock, greedy_decode
 from transformers import AttentionInterface, DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -47,15 +45,10 @@ class StepParts(StepClock):
         return super().__call__(input_ids, scores, **kwargs)
 
     def timed(self, part: str, function):
-        @functools.wraps(function)
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                self.parts[self.step][part] += time.perf_counter() - start
+        def add(seconds: float) -> None:
+            self.parts[self.step][part] += seconds
 
-        return wrapper
+        return timing(function, add)
 
 
 def install(recorder: StepParts) -> None:

@@ -14,12 +14,11 @@ Usage: python benchmarks/engine_step_parts.py [--threads 2] [--requests 60] [--p
 from __future__ import annotations
 
 import argparse
-import functools
 import time
 from collections import Counter
 
 import torch
-from common import environment, markdown_table
+from common import environment, markdown_table, timing
 from engine_throughput import workload
 
 import hf_paged
@@ -42,17 +41,10 @@ PARTS = [
 
 
 def timed(owner, name: str, label: str, totals: Counter) -> None:
-    function = getattr(owner, name)
+    def add(seconds: float) -> None:
+        totals[label] += seconds
 
-    @functools.wraps(function)
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return function(*args, **kwargs)
-        finally:
-            totals[label] += time.perf_counter() - start
-
-    setattr(owner, name, wrapper)
+    setattr(owner, name, timing(getattr(owner, name), add))
 
 
 def main() -> None:

@@ -94,6 +94,8 @@ class ForwardPlanner:
             if len(self._namespace_roots) > 256:
                 self._namespace_roots.clear()
             roots = self._namespace_roots[key] = group_roots(root_hash(self.root + namespace), self.layout.num_groups)
+        if self.pool.offload is not None:  # the namespace is valid across processes: its blocks can be kept
+            self.pool.offload.register_namespace(self.root, namespace, root_hash(self.root + namespace), len(roots))
         return roots
 
     def stop_prefix_caching(self) -> None:

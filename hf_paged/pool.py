@@ -14,7 +14,7 @@ from .allocator import AllocatorStats, BlockAllocator, BlockTable
 from .config import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_FRACTION, DEFAULT_MAX_BLOCKS, PagedCacheConfig
 from .groups import KVLayout, layer_kv_shapes
 from .kv_format import FORMATS, kv_format
-from .rows import Row
+from .rows import Row, prefix_links
 from .storage import KVStorage, autocast_dtype
 from .tensor_parallel import local_kv_shapes, tensor_parallel_placement
 
@@ -287,9 +287,11 @@ class BlockPool:
         """A new row holding the longest cached prefix of `tokens` (see `Row.from_prefix_cache`), what the pool lacks
         of it loaded first from the tiers of `offload`, if any."""
         with self.lock:
+            links = None
             if self.offload is not None and roots is not None:
-                self.offload.load(self, roots, windows, tokens)
-            return Row.from_prefix_cache(self.allocator, roots, windows, tokens, count_reuse)
+                links = prefix_links(roots, tokens, self.block_size)  # hashed once for the load and the lookup
+                self.offload.load(self, roots, windows, tokens, links)
+            return Row.from_prefix_cache(self.allocator, roots, windows, tokens, count_reuse, links)
 
     def take_blocks(self, appends: list[tuple[BlockTable, int]], what: str | None = None, keep_free: int = 0) -> int:
         """Append `(table, num_new_tokens)` for every entry, all of them or (`PoolExhaustedError`) none, leaving at

@@ -65,15 +65,18 @@ class Row:
         windows: list[int | None],
         tokens: list[int],
         count_reuse: bool = True,
+        links: list[list[tuple[bytes, tuple[int, ...]]]] | None = None,
     ) -> Row:
         """A new row holding the longest cached, block-aligned prefix of `tokens` that leaves at least one token to
         compute (possibly none of it). `roots` and `windows` give every layer group's chain root and sliding window:
         a full-attention group needs every block of the prefix, a sliding group only the blocks its window does not
         skip (it starts without the others). The lookup counts as one query reusing the row's tokens in the
-        allocator's stats, unless `count_reuse=False` (the caller counts what it keeps)."""
+        allocator's stats, unless `count_reuse=False` (the caller counts what it keeps). `links`: every group's
+        `prefix_links(roots, tokens, block_size)`, where the caller has them already."""
         size = allocator.block_size
         usable = (len(tokens) - 1) // size * size
-        links = [chain(root, tokens[:usable], size) for root in roots]
+        if links is None:
+            links = prefix_links(roots, tokens, size)
         with allocator.lock:  # no eviction between the lookup and the sharing
             found = [allocator.lookup_blocks(group_links) for group_links in links]
             num_blocks = usable // size
@@ -202,3 +205,10 @@ class Row:
                     new = holder == own and not was_cached and allocator.block_hash(own) == parent
                     links.append((previous, parent, tokens, holder, new))
         return changed
+
+
+def prefix_links(roots: list[bytes], tokens: list[int], block_size: int) -> list[list[tuple[bytes, tuple[int, ...]]]]:
+    """Every layer group's `(hash, tokens)` chain over the longest block-aligned prefix of `tokens` that leaves at
+    least one token to compute: what a prefix lookup of `tokens` reads."""
+    usable = (len(tokens) - 1) // block_size * block_size
+    return [chain(root, tokens[:usable], block_size) for root in roots]

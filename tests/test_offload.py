@@ -149,6 +149,32 @@ def test_engine_reloads_and_reports_its_tiers(tmp_path):
     assert first == second
 
 
+def test_engine_adapter_requests_reload_their_own_blocks(tmp_path):
+    """An Engine's LoRA requests keep their blocks in the tiers under their adapter's name and weights digest: a new
+    process serving the same adapter loads them and answers alike; the base model and another adapter load none."""
+    from hf_paged.reference_models import random_lora
+
+    tiers = {"dir": str(tmp_path)}
+    prompt = _prompt(80, seed=13)[0].tolist()
+    options = {"block_size": BLOCK, "num_blocks": 64, "exact": True, "kv_offload": tiers}
+
+    def serve(adapter: str | None):
+        model = _fresh()
+        adapters = {"a": random_lora(model, seed=1), "b": random_lora(model, seed=2)}
+        with hf_paged.Engine(model, adapters=adapters, **options) as engine:
+            tokens = engine.generate([prompt], max_new_tokens=6, adapter=adapter)[0].token_ids
+            engine.pool.offload.flush()
+            return tokens, engine.stats().kv_tiers[0]
+
+    first, written = serve("a")
+    assert written.writes >= 10 and written.tokens_loaded == 0
+    again, disk = serve("a")
+    assert again == first and disk.tokens_loaded == 72
+    for other in (None, "b"):  # negative controls: other K/V for the same tokens
+        tokens, disk = serve(other)
+        assert disk.tokens_loaded == 0 and tokens != first
+
+
 # ---------------------------------------------------------------------------- isolation
 @pytest.mark.parametrize(
     "other",

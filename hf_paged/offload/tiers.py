@@ -25,7 +25,7 @@ import torch
 from transformers.utils import logging
 
 from ..groups import skipped_tokens
-from ..prefix import block_hash, chain, group_roots
+from ..prefix import block_hash, chain, group_roots, root_hash
 from .codec import CorruptBlockError, decode, encode
 from .config import OffloadConfig
 from .keys import persistent_root
@@ -186,9 +186,18 @@ class KVOffload:
         devices = {parameter.device for parameter in model.parameters()}
         self.device = next(model.parameters()).device
         self.single_device = len(devices) == 1
+        self._map_roots(root, persistent, pool.layout.num_groups if pool.layout is not None else 1)
+
+    def register_namespace(self, base: bytes, namespace: bytes, root: bytes, num_groups: int) -> None:
+        """Map `root`, the chain root of blocks computed under `namespace` (a LoRA adapter's name and the digest of
+        its weights, valid in any process) on top of the base root `base`, to its persistent root."""
+        persistent = self._roots.get(base)
+        if persistent is not None and root not in self._roots:
+            self._map_roots(root, root_hash(persistent + namespace), num_groups)
+
+    def _map_roots(self, root: bytes, persistent: bytes, num_groups: int) -> None:
         self._roots[root] = persistent
-        counts = {1, pool.layout.num_groups if pool.layout is not None else 1}
-        for count in counts:
+        for count in {1, num_groups}:
             for ours, theirs in zip(group_roots(root, count), group_roots(persistent, count)):
                 self._roots[ours] = theirs
 
@@ -289,10 +298,11 @@ class KVOffload:
         self._writer = None
 
     # ------------------------------------------------------------------ loads
-    def load(self, pool, roots: list[bytes], windows: list[int | None], tokens: list[int]) -> int:
+    def load(self, pool, roots: list[bytes], windows: list[int | None], tokens: list[int], links=None) -> int:
         """Load into `pool` the blocks of `tokens`' longest block-aligned prefix (leaving one token to compute) that
         the pool lacks and the tiers hold, as cached content for the lookup that follows (`Row.from_prefix_cache`).
-        Called under the pool's lock. Returns the blocks loaded."""
+        `links`: the prompt's `rows.prefix_links`, where the caller has them. Called under the pool's lock. Returns
+        the blocks loaded."""
         tiers = [tier for tier in self.tiers if tier.enabled]
         persistent = [self._roots.get(root) for root in roots]
         size = self.block_size
@@ -300,7 +310,8 @@ class KVOffload:
         if not tiers or None in persistent or not usable:
             return 0
         allocator = pool.allocator
-        links = [chain(root, tokens[:usable], size) for root in roots]
+        if links is None:
+            links = [chain(root, tokens[:usable], size) for root in roots]
         theirs = [chain(root, tokens[:usable], size) for root in persistent]
         for group_links, group_theirs in zip(links, theirs):
             for (ours, _), (key, _) in zip(group_links, group_theirs):
