@@ -113,6 +113,30 @@ def test_a_compile_error_falls_back_to_eager_steps_with_one_warning(monkeypatch)
     assert engine.runner.disabled is not None and engine.runner.compiled_steps == 1  # the checked first step only
 
 
+def test_a_graph_that_fails_with_cpp_host_code_compiles_with_pythons(monkeypatch, caplog):
+    """A compile error with C++ host code (a graph inductor's C++ wrapper cannot write) retries once with Python
+    host code, with one warning, and the steps stay compiled; an error with Python's too turns compiling off."""
+
+    def backend(graph_module, example_inputs):
+        if torch._inductor.config.cpp_wrapper:
+            raise NotImplementedError("not in C++ host code in this simulation")
+        return torch._dynamo.backends.registry.lookup_backend("aot_eager")(graph_module, example_inputs)
+
+    monkeypatch.setattr(step_runner, "COMPILE_BACKEND", backend)
+    monkeypatch.setattr(step_runner, "CPP_WRAPPER", True)
+    model = tiny_model("llama")
+    batch = prompts(6)
+    tokens, _, _ = run(model, False, batch)
+    with caplog.at_level("WARNING", logger="hf_paged.engine.step_runner"):
+        compiled_tokens, _, engine = run(model, True, batch)
+    warned = [r.getMessage() for r in caplog.records if "C++ host code failed" in r.getMessage()]
+    assert len(warned) == 1 and "not in C++ host code in this simulation" in warned[0]
+    runner = engine.runner
+    assert compiled_tokens == tokens
+    assert runner.disabled is None and runner.python_host_code is not None
+    assert runner.compiled_steps == runner.num_steps - 1
+
+
 def test_changed_weights_are_compiled_again():
     # inductor freezes the weights into the graph: without the weights check the second call would answer with the
     # first call's weights

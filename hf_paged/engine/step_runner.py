@@ -165,6 +165,8 @@ class StepRunner:
         graphs (`int`): graphs compiled (a new one means the first step of its shapes' kind, or a recompilation).
         compile_s (`float`): seconds spent in compiled calls that compiled a graph.
         disabled (`str`, *optional*): why compiled steps stopped (a compile error), or `None`.
+        python_host_code (`str`, *optional*): why compiling with C++ host code failed, after which the steps
+            compile with Python's (`None`: it did not fail, or was not tried).
 
     Example:
 
@@ -192,6 +194,7 @@ class StepRunner:
         self.compiled_steps = self.eager_steps = self.graphs = self.graph_steps = 0
         self.compile_s = 0.0
         self.disabled: str | None = None
+        self.python_host_code: str | None = None  # why compiling with C++ host code failed (then Python's is used)
         self._compiled = None
         self._weights: bytes = b""  # the weights the compiled forward folded in (`_weights_key`)
         self._checked = False  # a first step ran eagerly under the step attention and every layer attended once
@@ -354,7 +357,11 @@ class StepRunner:
     def _inductor_settings(self):
         """Inductor's settings for the step forward, read while it compiles, inside the call (torch.compile's
         `options` did not reach `freezing`): freezing, and the C++ host code on the CPU."""
-        return torch._inductor.config.patch(freezing=FREEZE, cpp_wrapper=CPP_WRAPPER and self.device.type == "cpu")
+        return torch._inductor.config.patch(freezing=FREEZE, cpp_wrapper=self._cpp_wrapper())
+
+    def _cpp_wrapper(self) -> bool:
+        """Whether the step compiles with C++ host code: on the CPU, as `CPP_WRAPPER` says, unless it failed here."""
+        return CPP_WRAPPER and self.device.type == "cpu" and self.python_host_code is None
 
     def _weights_key(self) -> bytes:
         """What the model's weights are now (`prefix.prefix_namespace`; the planner refreshes it every step when
@@ -372,7 +379,17 @@ class StepRunner:
             with self._inductor_settings(), counting_graphs(self, "the Engine's step forward"):
                 logits = self._compiled(self.model, self.keep_last_logits, input_ids, position_ids, last, tensors)
         except COMPILE_ERRORS as error:
-            return self._disable(describe_error(error))
+            if not self._cpp_wrapper():
+                return self._disable(describe_error(error))
+            # C++ host code cannot be written for some graph Python's can: compile once more with Python's
+            self.python_host_code = describe_error(error)
+            logger.warning(
+                "hf_paged: compiling the Engine's step with C++ host code failed (%s); compiling with Python host "
+                "code instead",
+                self.python_host_code,
+            )
+            self._build()
+            return self._run_compiled(input_ids, position_ids, last, tensors)
         return logits
 
     def _disable(self, reason: str) -> None:
