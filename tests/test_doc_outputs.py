@@ -110,18 +110,22 @@ def test_check_command_fails_on_an_edited_output_negative_control(tmp_path):
     assert "allocator_part.ipynb: 1 outputs differ" in run.stdout  # every other cell matched
 
 
-def test_masks_hide_timings_and_temporary_paths_only():
+def test_masks_hide_timings_temporary_paths_and_cpu_dependent_answers_only():
     printed = (
         "EngineStats(num_requests=16, elapsed_s=1.5586, requests_per_s=10.26, tokens_per_s=210.4, "
         "mean_ttft_s=0.184, p90_ttft_s=0.185, num_steps=21, peak_blocks=29, prefix_hit_rate=0.75789)\n"
         "serve it over HTTP: hf-paged serve /tmp/finetuned-ku_bzht5\n"
-        "<object at 0x7f3a2c1d9e50> loss 1.107 -> 0.016, blocks [0, 1, 12, 16]"
+        "<object at 0x7f3a2c1d9e50> loss 1.107 -> 0.016, blocks [0, 1, 12, 16]\n"
+        "int8: tokens identical to unquantized pages, answer by answer: [48, 48, 40, 48] of 48\n"
+        "haiku, int4 pages: 'In the depths of the blue.'"
     )
     assert checker.mask(printed) == (
         "EngineStats(num_requests=16, elapsed_s=<seconds>, requests_per_s=<rate>, tokens_per_s=<rate>, "
         "mean_ttft_s=<seconds>, p90_ttft_s=<seconds>, num_steps=21, peak_blocks=29, prefix_hit_rate=0.75789)\n"
         "serve it over HTTP: hf-paged serve <tempdir>\n"
-        "<object at 0x<address>> loss 1.107 -> 0.016, blocks [0, 1, 12, 16]"
+        "<object at 0x<address>> loss 1.107 -> 0.016, blocks [0, 1, 12, 16]\n"
+        "int8: tokens identical to unquantized pages, answer by answer: <CPU-dependent> of 48\n"
+        "haiku, int4 pages: <CPU-dependent>"
     )
     assert all(rule.why for rule in checker.MASKS)
 
