@@ -197,8 +197,8 @@ class _RecordedSwitch:
         model.set_attn_implementation(implementation)
         return cls(configs, implementation, before, _values(configs))
 
-    def replay(self, model: torch.nn.Module, implementation: str) -> bool:
-        """Write the recorded values if `model` is as it was before the recorded switch; else `False`."""
+    def replay(self, implementation: str) -> bool:
+        """Write the recorded values if the configs are as they were before the recorded switch; else `False`."""
         if implementation != self.implementation or _values(self.configs) != self.before:
             return False
         _write(self.configs, self.after)
@@ -217,7 +217,7 @@ _recorded_switches: weakref.WeakKeyDictionary[torch.nn.Module, _RecordedSwitch] 
 
 def _switch(model: torch.nn.Module, implementation: str) -> None:
     recorded = _recorded_switches.get(model)
-    if recorded is None or not recorded.replay(model, implementation):
+    if recorded is None or not recorded.replay(implementation):
         _recorded_switches[model] = _RecordedSwitch.record(model, implementation)
 
 
