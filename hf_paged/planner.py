@@ -53,7 +53,7 @@ class ForwardPlanner:
         if prefix_caching and root is not None:
             self.roots = group_roots(root, layout.num_groups)
         self._previous: ForwardBatch | None = None
-        self._namespace_roots: dict[tuple, list[bytes]] = {}
+        self._namespace_roots: dict[tuple, tuple[bytes, list[bytes]]] = {}
         shape = pool.kv_shape
         # what one more group of rows reading their keys together costs, in key positions (see key_groups)
         self.key_group_cost = group_cost(shape and shape.bytes_per_token // shape.num_layers)
@@ -89,13 +89,15 @@ class ForwardPlanner:
         if self.roots is None or namespace is None:
             return self.roots
         key = (self.root, namespace)
-        roots = self._namespace_roots.get(key)
-        if roots is None:
+        entry = self._namespace_roots.get(key)
+        if entry is None:
             if len(self._namespace_roots) > 256:
                 self._namespace_roots.clear()
-            roots = self._namespace_roots[key] = group_roots(root_hash(self.root + namespace), self.layout.num_groups)
+            namespace_root = root_hash(self.root + namespace)
+            entry = self._namespace_roots[key] = (namespace_root, group_roots(namespace_root, self.layout.num_groups))
+        namespace_root, roots = entry
         if self.pool.offload is not None:  # the namespace is valid across processes: its blocks can be kept
-            self.pool.offload.register_namespace(self.root, namespace, root_hash(self.root + namespace), len(roots))
+            self.pool.offload.register_namespace(self.root, namespace, namespace_root, len(roots))
         return roots
 
     def stop_prefix_caching(self) -> None:

@@ -25,7 +25,8 @@ import torch
 from transformers.utils import logging
 
 from ..groups import skipped_tokens
-from ..prefix import block_hash, chain, group_roots, root_hash
+from ..prefix import block_hash, group_roots, root_hash
+from ..rows import prefix_links
 from .codec import CorruptBlockError, decode, encode
 from .config import OffloadConfig
 from .keys import persistent_root
@@ -311,8 +312,8 @@ class KVOffload:
             return 0
         allocator = pool.allocator
         if links is None:
-            links = [chain(root, tokens[:usable], size) for root in roots]
-        theirs = [chain(root, tokens[:usable], size) for root in persistent]
+            links = prefix_links(roots, tokens, size)
+        theirs = prefix_links(persistent, tokens, size)
         for group_links, group_theirs in zip(links, theirs):
             for (ours, _), (key, _) in zip(group_links, group_theirs):
                 self._remember(ours, key)
