@@ -8,6 +8,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from .errors import InvariantError, PoolExhaustedError
+from .staging import Staging
 
 
 def _check_positive_int(name: str, value) -> int:
@@ -121,6 +122,9 @@ class BlockAllocator:
     Args:
         num_blocks (`int`): number of physical blocks in the pool.
         block_size (`int`): tokens per block.
+        companions (`int`, *optional*): blocks every open block (one being filled) also takes to hold its keys in
+            full precision, for a format that quantizes keys once a block is full (`kv_dtype="int4-channel"`, see
+            `hf_paged.staging`); 0 (the default) for every other format.
 
     Example:
 
@@ -147,9 +151,10 @@ class BlockAllocator:
     ```
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, companions: int = 0):
         self.num_blocks = _check_positive_int("num_blocks", num_blocks)
         self.block_size = _check_positive_int("block_size", block_size)
+        self.staging = Staging(companions)
         self.lock = threading.RLock()
         self.sized_by: str | None = None  # what set num_blocks, named in PoolExhaustedError (set by a BlockPool)
         self._free: deque[int] = deque(range(num_blocks))
@@ -202,22 +207,34 @@ class BlockAllocator:
         """Blocks that appending each `(table, num_new_tokens)` in turn would take.
 
         A partly filled block shared by R tables and written by k of them is copied min(k, R - 1) times: the last
-        holder writes in place.
+        holder writes in place. With `companions`, net of the companions the tables' last appends left to give back
+        (so it can be negative).
         """
         with self.lock:
             total = 0
             writers: dict[int, int] = {}
+            companions = self.staging.per_open_block
+            released = set()
             for table, num_new_tokens in requests:
                 self._check_live(table)
                 if num_new_tokens < 0:
                     raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
                 if num_new_tokens == 0:
                     continue
+                released.add(table.table_id)
                 room = len(table.block_ids) * self.block_size - table.num_tokens
-                if room > 0 and self._needs_copy_on_write(table.block_ids[-1]):
+                copied = room > 0 and self._needs_copy_on_write(table.block_ids[-1])
+                if copied:
                     writers[table.block_ids[-1]] = writers.get(table.block_ids[-1], 0) + 1
-                total += _num_blocks_for(max(0, num_new_tokens - room), self.block_size)
-            return total + sum(min(k, self._ref_counts[b] - 1) for b, k in writers.items())
+                new_blocks = _num_blocks_for(max(0, num_new_tokens - room), self.block_size)
+                total += new_blocks
+                if companions and new_blocks and (table.num_tokens + num_new_tokens) % self.block_size:
+                    total += companions  # a new block left open at the end
+            # every copy is open when made (it takes companions too)
+            total += (1 + companions) * sum(min(k, self._ref_counts[b] - 1) for b, k in writers.items())
+            if companions:  # the companions of blocks the tables filled last time are given back first
+                total -= sum(len(cs) for owner, cs in self.staging.sealing.values() if owner in released)
+            return total  # negative when more companions come back than the appends take
 
     def _needs_copy_on_write(self, block_id: int) -> bool:
         """Whether a table writing into `block_id` must first replace it by a private copy: the block is shared."""
@@ -255,7 +272,7 @@ class BlockAllocator:
         caller holds for other tables' next tokens).
         """
         with self.lock:
-            needed = self.num_blocks_needed_for(requests)
+            needed = self.num_blocks_needed_for(requests)  # net of the companions given back first
             if needed + keep_free > self.num_free:
                 what = what or f"appending {sum(count for _, count in requests)} token(s)"
                 if keep_free:
@@ -263,6 +280,9 @@ class BlockAllocator:
                 raise PoolExhaustedError(
                     needed + keep_free, self.num_free, what=what, num_blocks=self.num_blocks, sized_by=self.sized_by
                 )
+            for table, num_new_tokens in requests:
+                if num_new_tokens:
+                    self._release_sealed(table)
             copies = []
             for table, num_new_tokens in requests:
                 if num_new_tokens:
@@ -279,6 +299,9 @@ class BlockAllocator:
             table.block_ids[-1] = dst
             copies.append(BlockCopy(src, dst))
             self._cow_copies += 1
+            if self.staging.enabled:  # the copy is open too: its own companions, holding the same keys
+                own = self._open(dst)
+                copies.extend(BlockCopy(s, d) for s, d in zip(self.staging.companions_of(src), own))
         elif room > 0 and table.block_ids[-1] in self._block_hash:  # a truncated cached block is written again
             self._unhash(table.block_ids[-1])
         first_written = table.num_tokens // self.block_size
@@ -292,6 +315,11 @@ class BlockAllocator:
                     f"invariant 5: about to write into block {block_id} with refcount {self._ref_counts[block_id]}"
                 )
             self._fill[block_id] = min(self.block_size, total - index * self.block_size)
+            if self.staging.enabled:
+                if self._fill[block_id] == self.block_size:
+                    self.staging.seal(block_id, table.table_id)
+                elif self.staging.companions_of(block_id) is None:
+                    self._open(block_id)
         table.num_tokens = total
 
     def fork(self, table: BlockTable) -> BlockTable:
@@ -322,10 +350,30 @@ class BlockAllocator:
                     f"{table.num_skipped * self.block_size} tokens were skipped and given back (free_skipped), so it "
                     f"cannot end before token {table.num_skipped * self.block_size + 1}"
                 )
-            dropped = table.block_ids[keep:]
+            last = table.block_ids[keep - 1] if keep else None
+            reopens = self.staging.enabled and num_tokens % self.block_size and last is not None
+            reopens = reopens and self.staging.companions_of(last) is None
+            dropped = [block_id for block_id in table.block_ids[keep:] if block_id is not None]
+            if reopens:
+                freed = [b for b in dropped if self._ref_counts[b] == 1]
+                freed += [c for b in freed for c in self.staging.companions_of(b) or ()]
+                freed += [c for owner, cs in self.staging.sealing.values() if owner == table.table_id for c in cs]
+                if self.num_free + len(freed) < self.staging.per_open_block:
+                    raise PoolExhaustedError(
+                        self.staging.per_open_block,
+                        self.num_free + len(freed),
+                        f"truncating {table!r} to {num_tokens} tokens (its last block is open again, and its keys "
+                        "are kept in full precision)",
+                        self.num_blocks,
+                        self.sized_by,
+                    )
+            self._release_sealed(table)
             del table.block_ids[keep:]
             table.num_tokens = num_tokens
-            self._release_blocks([block_id for block_id in dropped if block_id is not None])
+            self._release_blocks(dropped)
+            if reopens:
+                self._open(last)
+                self.staging.reopened.append(last)
 
     def free_skipped(self, table: BlockTable, num_skipped_tokens: int) -> int:
         """Give back the blocks holding only the first `num_skipped_tokens` tokens of `table` (tokens its sliding
@@ -362,6 +410,7 @@ class BlockAllocator:
                     f"got {num_skipped_tokens}"
                 )
             skipped = []
+            self._release_sealed(table)
             for index in range(table.num_skipped, num_skipped_tokens // self.block_size):
                 skipped.append(table.block_ids[index])
                 table.block_ids[index] = None
@@ -372,6 +421,7 @@ class BlockAllocator:
         """Release every block of `table` (blocks whose refcount reaches 0 join the back of the free queue)."""
         with self.lock:
             self._check_live(table)
+            self._release_sealed(table)
             self._release_blocks(table.live_block_ids)
             table.block_ids = []
             table.num_tokens = 0
@@ -557,7 +607,9 @@ class BlockAllocator:
            every write), so no table claims a slot that was never written: its tokens in a block <= the block's fill;
         6. a table of n tokens has ceil(n / block_size) entries (skipped ones, `None`, included);
         7. with no live tables, every block is free (evictable cached blocks count as free);
-        8. skipped entries (`None`) form a leading run of a table's entries and hold no reference.
+        8. skipped entries (`None`) form a leading run of a table's entries and hold no reference;
+        9. with `companions`, every table's partial last block owns that many companion blocks, each held once (its
+           refcount counts its owner), and only blocks in use own companions (see `hf_paged.staging`).
         """
         with self.lock:
             free = list(self._free) + list(self._evictable)
@@ -566,7 +618,12 @@ class BlockAllocator:
                 raise InvariantError(f"invariant 3: free queue has duplicates: {sorted(free)}")
             self._check_prefix_index()
             expected = [0] * self.num_blocks
+            for companion in self.staging.owned():
+                expected[companion] += 1
+            partial_last = set()
             for table in self._tables.values():
+                if table.num_tokens % self.block_size and table.block_ids:
+                    partial_last.add(table.block_ids[-1])
                 want = _num_blocks_for(table.num_tokens, self.block_size)
                 if len(table.block_ids) != want:
                     raise InvariantError(
@@ -599,6 +656,10 @@ class BlockAllocator:
                 raise InvariantError("invariant 3: free + used != total")
             if not self._tables and len(free) != self.num_blocks:
                 raise InvariantError(f"invariant 7: no live tables but {self.num_blocks - len(free)} blocks used")
+            try:
+                self.staging.check(self._ref_counts, partial_last, set(self._tables))
+            except InvariantError as error:
+                raise InvariantError(f"invariant 9: {error}") from None
 
     def _check_prefix_index(self) -> None:
         if len(self._hash_to_block) != len(self._block_hash) or any(
@@ -627,13 +688,27 @@ class BlockAllocator:
         self._fill[block_id] = 0
         return block_id
 
+    def _open(self, block_id: int) -> tuple[int, ...]:
+        """Give the open block `block_id` its companions (checked free by the caller)."""
+        companions = tuple(self._take_free_block() for _ in range(self.staging.per_open_block))
+        self.staging.open_block(block_id, companions)
+        return companions
+
+    def _release_sealed(self, table: BlockTable) -> None:
+        """Give back the companions of the blocks `table` filled in its last append (that forward has run)."""
+        if self.staging.sealing:
+            self._release_blocks(self.staging.sealed_by(table.table_id))
+
     def _release_blocks(self, block_ids: list[int]) -> None:
         """Blocks whose refcount reaches 0 join the back of the free queue, or, when they hold cached content, the
-        evictable list, tail of the table first (so a chain is evicted from its tail before its head)."""
+        evictable list, tail of the table first (so a chain is evicted from its tail before its head); the
+        companions an open block owned go with it."""
         for block_id in block_ids:
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0 and block_id not in self._block_hash:
                 self._free.append(block_id)
+            if self._ref_counts[block_id] == 0 and self.staging.enabled:
+                self._release_blocks(self.staging.block_released(block_id))
         for block_id in reversed(block_ids):
             if self._ref_counts[block_id] == 0 and block_id in self._block_hash:
                 self._evictable[block_id] = None

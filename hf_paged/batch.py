@@ -348,8 +348,13 @@ class ForwardBatch:
         keys, values = storage.gather(layer_idx, *local.read_index(storage.num_heads(layer_idx), first, stop, rows))
         if new is not None:
             count = new[0].shape[2]
-            # as the pages hold them (quantized pages: what every later read gives back)
-            keys[:, :, -count:], values[:, :, -count:] = (storage.format.round_trip(tensor) for tensor in new)
+            if storage.stages_keys:  # stored positions as read; only the left pads' K/V (never stored) from `new`
+                positions = torch.arange(self.length - count, self.length, device=keys.device)
+                pads = positions[None, :] < device_tensor(self.leading_pads, keys.device)[:, None]
+                for read, given in zip((keys, values), new):
+                    read[:, :, -count:] = torch.where(pads[:, None, :, None], given, read[:, :, -count:])
+            else:  # as the pages hold them (quantized pages: what every later read gives back)
+                keys[:, :, -count:], values[:, :, -count:] = (storage.format.round_trip(tensor) for tensor in new)
         return keys, values
 
     def read_in_place(self, layer_idx: int) -> None:

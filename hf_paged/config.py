@@ -7,8 +7,9 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from .channel_keys import CHANNEL_BLOCK_SIZE
 from .kernels import DEFAULT_BLOCK_SIZE, auto_block_size, check_kernel_name
-from .kv_format import check_kv_dtype
+from .kv_format import check_kv_dtype, kv_format
 from .sizes import parse_memory
 
 DEFAULT_CPU_KV_BYTES = 1024**3
@@ -132,6 +133,8 @@ class PagedCacheConfig:
         """The block size of a pool on `device`: the one given, `DEFAULT_BLOCK_SIZE`, or what `"auto"` picks there."""
         if self.block_size == "auto":
             return auto_block_size(device, self.kernel)
+        if self.block_size is None and kv_format(self.resolved_kv_dtype).keys_per_channel:
+            return CHANNEL_BLOCK_SIZE  # the group its keys are quantized over
         return self.block_size if self.block_size is not None else DEFAULT_BLOCK_SIZE
 
     @property

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-KV_DTYPES = ("auto", "int8", "int4")
+KV_DTYPES = ("auto", "int8", "int4", "int4-channel")
 SCALE_DTYPE = torch.bfloat16
 _SCALE_MAX = torch.finfo(SCALE_DTYPE).max
 
@@ -70,11 +70,14 @@ class KVFormat:
         name (`str`): one of `KV_DTYPES`.
         bits (`int`, *optional*): bits a value for quantized formats; `None` for `"auto"` (the model's dtype).
         rotated (`bool`): vectors are stored rotated by `hadamard(head_dim)` (see the module docstring).
+        keys_per_channel (`bool`): keys are quantized per channel over each full block, a block's keys kept in full
+            precision until it fills (`hf_paged.channel_keys`); values as the other formats, per token.
     """
 
     name: str
     bits: int | None = None
     rotated: bool = False
+    keys_per_channel: bool = False
 
     @property
     def quantized(self) -> bool:
@@ -167,6 +170,7 @@ FORMATS = {
     "auto": KVFormat("auto"),
     "int8": KVFormat("int8", 8, rotated=True),
     "int4": KVFormat("int4", 4, rotated=True),
+    "int4-channel": KVFormat("int4-channel", 4, rotated=True, keys_per_channel=True),
 }
 
 

@@ -11,10 +11,12 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from .allocator import AllocatorStats, BlockAllocator, BlockTable
+from .channel_keys import StagedLayout
 from .config import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_FRACTION, DEFAULT_MAX_BLOCKS, PagedCacheConfig
 from .groups import KVLayout, layer_kv_shapes
 from .kv_format import FORMATS, kv_format
 from .rows import Row, prefix_links
+from .staged_storage import StagedKVStorage
 from .storage import KVStorage, autocast_dtype
 from .tensor_parallel import local_kv_shapes, tensor_parallel_placement
 
@@ -38,7 +40,10 @@ class KVShape:
         tp_rank, tp_world_size (`int`): this process's rank in the model's tensor-parallel group and the group's
             size (0 and 1 without tensor parallelism).
         kv_dtype (`str`): how the pool stores K/V (`"auto"`: in `dtype`; `"int8"`, `"int4"`: quantized, a bfloat16
-            scale per token and head included in every byte count here).
+            scale per token and head included in every byte count here; `"int4-channel"`: a block's row of codes,
+            scales and per-channel key steps and minimums, over its `block_size` tokens).
+        block_size (`int`, *optional*): tokens per block, for formats whose bytes per token depend on it
+            (`"int4-channel"`).
     """
 
     num_layers: int
@@ -50,6 +55,7 @@ class KVShape:
     tp_rank: int = 0
     tp_world_size: int = 1
     kv_dtype: str = "auto"
+    block_size: int | None = None
 
     @property
     def kv_heads_local(self) -> int:
@@ -61,8 +67,8 @@ class KVShape:
         """2 (K and V) x layers x KV heads x bytes of one head's vector (head dim x dtype bytes; quantized: the
         codes and the scale): one token of the model's KV."""
         if self.layer_kv is not None:
-            return sum(2 * heads * self._head_bytes(dim) for heads, dim in self.layer_kv)
-        return 2 * self.num_layers * self.num_kv_heads * self._head_bytes(self.head_dim)
+            return sum(self._layer_bytes(heads, dim) for heads, dim in self.layer_kv)
+        return self.num_layers * self._layer_bytes(self.num_kv_heads, self.head_dim)
 
     @property
     def bytes_per_block_token(self) -> int:
@@ -70,15 +76,40 @@ class KVShape:
         `layers_per_block` layers (a hybrid model's layer groups, whose layers all have one KV shape)."""
         if self.layers_per_block is None:
             return self.bytes_per_token
-        return 2 * self.layers_per_block * self.num_kv_heads * self._head_bytes(self.head_dim)
+        return self.layers_per_block * self._layer_bytes(self.num_kv_heads, self.head_dim)
 
-    def _head_bytes(self, head_dim: int) -> int:
-        return kv_format(self.kv_dtype).bytes_per_head(head_dim, self.dtype)
+    def _layer_bytes(self, num_heads: int, head_dim: int) -> int:
+        """K and V of one token of one layer (a per-channel format: its share of the layer's block row)."""
+        fmt = kv_format(self.kv_dtype)
+        if fmt.keys_per_channel:
+            return StagedLayout(self._staged_block_size, num_heads, head_dim).row_bytes // self._staged_block_size
+        return 2 * num_heads * fmt.bytes_per_head(head_dim, self.dtype)
+
+    @property
+    def _staged_block_size(self) -> int:
+        if self.block_size is None:
+            raise ValueError(f"kv_dtype={self.kv_dtype!r} counts bytes per block: the KVShape needs its block_size")
+        return self.block_size
+
+    @property
+    def companions(self) -> int:
+        """Blocks an open block also takes to keep its keys in the model's dtype (`"int4-channel"`), else 0."""
+        if not kv_format(self.kv_dtype).keys_per_channel:
+            return 0
+        shapes = self.layer_kv or ((self.num_kv_heads, self.head_dim),)
+        return max(StagedLayout(self._staged_block_size, h, d).companions(self.dtype) for h, d in set(shapes))
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, layers_per_block: int | None = None, kv_dtype: str = "auto") -> KVShape:
-        """The KV cost of `model` on this process, its K/V stored as `kv_dtype`; under transformers' tensor
-        parallelism (`tp_plan="auto"`), of the KV heads this rank's key projections actually hold.
+    def from_model(
+        cls,
+        model: torch.nn.Module,
+        layers_per_block: int | None = None,
+        kv_dtype: str = "auto",
+        block_size: int | None = None,
+    ) -> KVShape:
+        """The KV cost of `model` on this process, its K/V stored as `kv_dtype` (in blocks of `block_size` tokens);
+        under transformers' tensor parallelism (`tp_plan="auto"`), of the KV heads this rank's key projections
+        actually hold.
 
         Raises:
             ValueError: the model's tensor-parallel degree does not divide a layer's KV heads, or a layer's head dim
@@ -103,7 +134,15 @@ class KVShape:
         for _, head_dim in sorted(set(shapes)):
             fmt.check_head_dim(head_dim, type(model).__name__)
         return cls(
-            len(shapes), *shapes[0], dtype, layers_per_block, layer_kv, placement.rank, placement.world_size, kv_dtype
+            len(shapes),
+            *shapes[0],
+            dtype,
+            layers_per_block,
+            layer_kv,
+            placement.rank,
+            placement.world_size,
+            kv_dtype,
+            block_size,
         )
 
 
@@ -171,11 +210,18 @@ class BlockPool:
         sized_by: str | None = None,
         explicitly_sized: bool = True,
     ):
-        self.allocator = BlockAllocator(num_blocks, block_size)
-        self.allocator.sized_by = sized_by
         split = layout is not None and layout.num_groups > 1
         fmt = FORMATS[kv_shape.kv_dtype] if kv_shape is not None else None
-        self.storage = KVStorage(num_blocks, block_size, layout.lane_of if split else None, fmt)
+        lanes = layout.lane_of if split else None
+        if fmt is not None and fmt.keys_per_channel:
+            kv_shape = replace(kv_shape, block_size=block_size)
+            companions = kv_shape.companions
+            self.storage = StagedKVStorage(num_blocks, block_size, lanes, fmt, companions)
+        else:
+            companions = 0
+            self.storage = KVStorage(num_blocks, block_size, lanes, fmt)
+        self.allocator = BlockAllocator(num_blocks, block_size, companions)
+        self.allocator.sized_by = sized_by
         self.kv_shape = kv_shape
         self.layout = layout
         self.last_cache_stats = None  # CacheStats of the most recently released PagedCache
@@ -291,7 +337,9 @@ class BlockPool:
             if self.offload is not None and roots is not None:
                 links = prefix_links(roots, tokens, self.block_size)  # hashed once for the load and the lookup
                 self.offload.load(self, roots, windows, tokens, links)
-            return Row.from_prefix_cache(self.allocator, roots, windows, tokens, count_reuse, links)
+            row = Row.from_prefix_cache(self.allocator, roots, windows, tokens, count_reuse, links)
+            self._follow_staging()
+            return row
 
     def take_blocks(self, appends: list[tuple[BlockTable, int]], what: str | None = None, keep_free: int = 0) -> int:
         """Append `(table, num_new_tokens)` for every entry, all of them or (`PoolExhaustedError`) none, leaving at
@@ -299,8 +347,9 @@ class BlockPool:
         Returns the number of blocks copied."""
         with self.lock:
             copies = self.allocator.append_all(appends, what, keep_free)
+            self._follow_staging()
             self.storage.copy_blocks(copies)
-            return len(copies)
+            return sum(copy.src not in self.allocator.staging.owned() for copy in copies) if copies else 0
 
     def blocks_needed(self, appends: list[tuple[BlockTable, int]]) -> int:
         """Free blocks `take_blocks(appends)` would use now (copy-on-write included)."""
@@ -321,13 +370,16 @@ class BlockPool:
             for row in rows:
                 row.free(self.allocator)
             rows.clear()
+            self._follow_staging()
 
     def free_skipped(self, rows: list[Row], windows: list[int | None]) -> int:
         """Give back every row's blocks its sliding groups' windows skipped; returns how many were given back."""
         if all(window is None for window in windows):
             return 0
         with self.lock:
-            return sum(row.free_skipped(self.allocator, windows) for row in rows)
+            freed = sum(row.free_skipped(self.allocator, windows) for row in rows)
+            self._follow_staging()
+            return freed
 
     def index_full_blocks(self, rows: list[Row], roots: list[bytes], share: bool = True) -> bool:
         """Put the rows' full blocks into the prefix index (see `Row.cache_full_blocks`); returns whether a table
@@ -339,13 +391,22 @@ class BlockPool:
                 changed |= row.cache_full_blocks(self.allocator, roots, share, links)
             if links:
                 self.offload.record(self.storage, links)
+            self._follow_staging()
             return changed
 
     def truncate_rows(self, rows: list[Row], length: int) -> None:
         """Keep the first `length` padded positions of every row."""
         with self.lock:
-            for row in rows:
-                row.truncate(self.allocator, length)
+            try:
+                for row in rows:
+                    row.truncate(self.allocator, length)
+            finally:
+                self._follow_staging()
+
+    def _follow_staging(self) -> None:
+        """Let a format that keeps open blocks' keys in companion blocks follow the allocator's companions."""
+        if self.allocator.staging.enabled:
+            self.storage.apply_staging(self.allocator.staging)
 
     def check_invariants(self) -> None:
         self.allocator.check_invariants()
@@ -441,9 +502,9 @@ def _sized_by(config: PagedCacheConfig, caller: str) -> str:
 
 
 def _size_pool(model: torch.nn.Module, config: PagedCacheConfig, layout: KVLayout, caller: str = "get_pool") -> _Sizing:
-    kv_shape = KVShape.from_model(model, layout.lanes_per_block, config.resolved_kv_dtype)
     device = next(model.parameters()).device
     block_size = config.block_size_on(device)
+    kv_shape = KVShape.from_model(model, layout.lanes_per_block, config.resolved_kv_dtype, block_size)
     if config.num_blocks is not None:
         _check_fits(model, config.num_blocks, block_size, kv_shape, f"num_blocks={config.num_blocks}")
         return _Sizing(config.num_blocks, block_size, kv_shape, _sized_by(config, caller), True)

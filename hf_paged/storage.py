@@ -30,6 +30,9 @@ class KVStorage:
             code_dim]` in `keys`/`values` and a bfloat16 scale per token and head in `key_scales`/`value_scales`
             (see `hf_paged.kv_format`); reads dequantize into the dtype the model produced.
 
+    `stages_keys` is `False`: every token is stored as it is written (see `StagedKVStorage` for the format that
+    keeps an open block's keys aside until the block fills).
+
     Example:
 
     ```python
@@ -43,6 +46,8 @@ class KVStorage:
 
     ```
     """
+
+    stages_keys = False
 
     def __init__(
         self,

@@ -16,7 +16,7 @@ def test_serve_defaults_to_loopback():
         "some/model",
         "127.0.0.1",
         8000,
-        16,
+        None,  # the pool's default: 16, or 64 for --kv-dtype int4-channel
         None,
     )
 

@@ -280,9 +280,10 @@ def test_a_pool_in_use_refuses_another_format_and_stays_consistent():
 
 def test_bad_kv_dtype_names_the_value_and_the_choices():
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match=r"kv_dtype must be one of \['auto', 'int8', 'int4'\], got 'fp4'"):
+    choices = r"\['auto', 'int8', 'int4', 'int4-channel'\]"
+    with pytest.raises(ValueError, match=rf"kv_dtype must be one of {choices}, got 'fp4'"):
         model.generate(torch.tensor([[5, 6]]), cache_implementation="paged", cache_config={"kv_dtype": "fp4"})
-    assert KV_DTYPES == ("auto", "int8", "int4")
+    assert KV_DTYPES == ("auto", "int8", "int4", "int4-channel")
 
 
 def test_an_odd_head_dim_cannot_take_int4():

@@ -63,7 +63,7 @@ def _fresh(family: str = "llama", seed: int = 0, **overrides):
 
 
 # ---------------------------------------------------------------------------- exact reloads
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "int4", "int4-channel"])
 def test_reload_from_disk_is_bit_exact_and_gives_the_same_tokens(tmp_path, kv_dtype):
     tiers = {"dir": str(tmp_path)}
     ids = _prompt(100)

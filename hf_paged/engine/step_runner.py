@@ -263,6 +263,8 @@ class StepRunner:
         if any(request.adapter is not None for request in step.requests):
             return False
         storage = self.cache.pool.storage
+        if storage.stages_keys:  # no compiled op reads per-channel keys yet: eager steps
+            return False
         if not all(layer.is_initialized for layer in self.cache.layers):
             return False
         return all(storage.has_layer(layer) for layer in range(len(self.cache.layers)))

@@ -78,6 +78,8 @@ def read_slots(cache: torch.Tensor | QuantizedPages, slots: torch.Tensor) -> tor
     blocks are dequantized (in fp32, then the model's dtype)."""
     if isinstance(cache, QuantizedPages):
         return cache.format.dequantize(cache.codes.flatten(0, 1)[slots], cache.scales.flatten(0, 1)[slots], cache.dtype)
+    if not isinstance(cache, torch.Tensor):  # StagedPages: keys exact while their block is open
+        return cache.read(slots)
     return cache.flatten(0, 1)[slots]
 
 

@@ -11,7 +11,7 @@ import signal
 import sys
 from pathlib import Path
 
-from ..config import parse_memory
+from ..config import PagedCacheConfig, parse_memory
 from ..cpu_linear import CPU_LINEARS
 from ..kernels import KERNELS
 from ..kv_format import KV_DTYPES, kv_format
@@ -40,9 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--block-size",
         type=_block_size,
-        default=16,
-        help="tokens per KV block (default 16), or auto: the size the fastest attention backend of the device reads "
-        "(256 on CUDA with flash-attn 2, else 16)",
+        default=None,
+        help="tokens per KV block (default 16; 64 with --kv-dtype int4-channel, whose keys are quantized over a "
+        "block), or auto: the size the fastest attention backend of the device reads (256 on CUDA with flash-attn "
+        "2, else 16)",
     )
     serve.add_argument(
         "--kernel",
@@ -348,8 +349,10 @@ def check_serve_args(args) -> None:
         raise UsageError(f"--cuda-graphs runs one process's steps; with --tp {args.tp} leave it off")
     if args.cuda_graphs:
         _check_cuda_graphs(args.device)
+    # the pool's own default where --block-size is not given (16; 64 for --kv-dtype int4-channel)
+    given_block_size = args.block_size or PagedCacheConfig(kv_dtype=args.kv_dtype).block_size_on("cpu")
     if args.kernel not in (None, "auto", "gather"):
-        _check_kernel(args.kernel, args.device, args.block_size)
+        _check_kernel(args.kernel, args.device, given_block_size)
     _check_kv_offload(args)
     config = _check_model_path(args.model_path, args.gguf_file)
     shapes = None if config is None else _kv_shapes(config)
@@ -360,7 +363,7 @@ def check_serve_args(args) -> None:
         except ValueError as error:
             raise UsageError(f"--kv-dtype {args.kv_dtype}: {error}") from None
     if args.max_memory is not None and shapes is not None:
-        block_size = 16 if args.block_size == "auto" else args.block_size  # "auto": at least 16 (a lower bound)
+        block_size = 16 if given_block_size == "auto" else given_block_size  # "auto": at least 16 (a lower bound)
         _check_memory(args.max_memory, block_size, args.dtype, shapes, args.kv_dtype or "auto")
 
 
