@@ -277,11 +277,11 @@ class StagedKVStorage(KVStorage):
 
 
 class StagedPages:
-    """One lane's keys (or values) of a `StagedKVStorage`, as the gather reference reads them: `read(slots)`, and
-    `shape` / `dtype` / `device` of the dense blocks it stands for. In-place kernels do not read it
-    (`gather_only`)."""
+    """One lane's keys (or values) of a `StagedKVStorage`, as the kernels read them: `read(slots)` for the gather
+    reference, the storage's views for the CPU kernel (the only in-place backend that reads these pages:
+    `in_place_backends`), and `shape` / `dtype` / `device` of the dense blocks it stands for."""
 
-    gather_only = True
+    in_place_backends = ("cpu",)
 
     def __init__(self, storage: StagedKVStorage, lane: int, part: str):
         self.storage, self.lane, self.part = storage, lane, part

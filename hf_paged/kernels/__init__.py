@@ -124,10 +124,11 @@ class KernelChoice:
     def backend_for(self, query: torch.Tensor, key_cache: torch.Tensor) -> str | None:
         """The in-place backend that runs a call on these tensors: `backend`, else `fallback`, where it `supports`
         them; `None`: the call gathers."""
-        if getattr(key_cache, "gather_only", False):  # pages no in-place kernel reads yet (StagedPages)
-            return None
+        readers = getattr(key_cache, "in_place_backends", None)  # pages only some backends read (StagedPages)
         for name in (self.backend, self.fallback):
-            if name is not None and name != "gather" and in_place_backend(name).supports(query, key_cache):
+            if name is None or name == "gather" or (readers is not None and name not in readers):
+                continue
+            if in_place_backend(name).supports(query, key_cache):
                 return name
         return None
 

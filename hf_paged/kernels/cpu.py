@@ -8,16 +8,17 @@ from pathlib import Path
 
 import torch
 
-from ..kv_format import QuantizedPages, attends_rotated_pages
+from ..kv_format import QuantizedPages, attends_rotated_pages, rotate
+from ..staged_storage import StagedPages
 from .build import load_library
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-KV_FORMATS = {None: 0, 8: 1, 4: 2}  # stored in the query's dtype; int8 codes; int4 codes (by bits)
+KV_FORMATS = {None: 0, 8: 1, 4: 2, "channel": 3}  # in the query's dtype; int8; int4 codes (by bits); keys per channel
 QUERY_TILE = 16  # queries of one row an item attends for at a time
 MIN_SPLIT_KEYS = 512  # a small batch splits a row's keys over the threads, at least this many keys a split
 MIN_WORK_PER_THREAD = 2048  # query-vector x key products worth a thread of their own (smaller calls use fewer)
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 
 class _Params(ctypes.Structure):
@@ -55,6 +56,17 @@ class _Params(ctypes.Structure):
         ("query_tile", ctypes.c_int32),
         ("min_split_keys", ctypes.c_int32),
         ("min_work_per_thread", ctypes.c_int64),
+        ("key_params", ctypes.c_void_p),
+        ("kp_stride_block", ctypes.c_int64),
+        ("kp_stride_head", ctypes.c_int64),
+        ("stage_tables", ctypes.c_void_p),
+        ("stage_stride", ctypes.c_int64),
+        ("staging", ctypes.c_void_p),
+        ("st_stride_block", ctypes.c_int64),
+        ("st_stride_token", ctypes.c_int64),
+        ("st_stride_head", ctypes.c_int64),
+        ("staging_tokens", ctypes.c_int32),
+        ("query_plain", ctypes.c_void_p),
     ]
 
 
@@ -82,7 +94,10 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 def supports(query: torch.Tensor, key_cache: torch.Tensor | QuantizedPages) -> bool:
     """Whether this backend can run a call on these tensors (blocks in the query's dtype, or quantized pages read
     back in it)."""
-    stored = key_cache.codes if isinstance(key_cache, QuantizedPages) else key_cache
+    if isinstance(key_cache, StagedPages):
+        stored = key_cache.storage.keys[key_cache.lane]
+    else:
+        stored = key_cache.codes if isinstance(key_cache, QuantizedPages) else key_cache
     return (
         query.device.type == "cpu"
         and stored.device.type == "cpu"
@@ -108,7 +123,21 @@ def attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`kernels.paged_attention` on the CPU, reading the blocks where they lie (quantized pages: their codes and
-    scales, dequantized as each row is loaded; stored rotated, attended in their rotated space)."""
+    scales, dequantized as each row is loaded; stored rotated, attended in their rotated space; keys per channel:
+    full blocks' keys against the rotated query, open blocks' exact keys against the query itself)."""
+    if isinstance(key_cache, StagedPages):
+        rotated = _attention(rotate(query).to(query.dtype), key_cache, value_cache, block_tables, seq_lens,
+                             query_start, scale, window, softcap, sinks, query_plain=query)  # fmt: skip
+        result = rotate(rotated).to(query.dtype)
+        return result if out is None else out.copy_(result)
+    return _attention(query, key_cache, value_cache, block_tables, seq_lens, query_start, scale, window, softcap,
+                      sinks, out)  # fmt: skip
+
+
+def _attention(
+    query, key_cache, value_cache, block_tables, seq_lens, query_start, scale, window, softcap, sinks, out=None,
+    query_plain=None,
+) -> torch.Tensor:  # fmt: skip
     lib = library()
     num_tokens, num_q_heads, head_dim = query.shape
     if out is None:
@@ -118,7 +147,29 @@ def attention(
         sinks = sinks.detach().to(torch.float32).contiguous()
     key_scales = value_scales = None
     bits = None
-    if isinstance(key_cache, QuantizedPages):
+    channel = {}
+    if isinstance(key_cache, StagedPages):
+        storage, lane = key_cache.storage, key_cache.lane
+        bits, params, tables, staging = "channel", storage.key_scales[lane], storage.tables_on(query.device), None
+        staging = storage.staging[lane]
+        channel = {
+            "key_params": params.data_ptr(),
+            "kp_stride_block": params.stride(0),
+            "kp_stride_head": params.stride(1),
+            "stage_tables": tables.data_ptr(),  # [blocks, 2, companions]: the open block's companions first
+            "stage_stride": tables.stride(0),
+            "staging": staging.data_ptr(),
+            "st_stride_block": staging.stride(0),
+            "st_stride_token": staging.stride(1),
+            "st_stride_head": staging.stride(2),
+            "staging_tokens": staging.shape[1],
+            "query_plain": query_plain.data_ptr(),
+        }
+        if query_plain.stride() != query.stride():
+            raise ValueError("the plain query must be laid out as the rotated one")
+        key_cache, key_scales = storage.keys[lane], storage.value_scales[lane]  # (keys use key_params)
+        value_cache, value_scales = storage.values[lane], storage.value_scales[lane]
+    elif isinstance(key_cache, QuantizedPages):
         bits = key_cache.format.bits
         key_cache, key_scales = key_cache.codes, key_cache.scales.contiguous()
         value_cache, value_scales = value_cache.codes, value_cache.scales.contiguous()
@@ -160,6 +211,7 @@ def attention(
         query_tile=QUERY_TILE,
         min_split_keys=MIN_SPLIT_KEYS,
         min_work_per_thread=MIN_WORK_PER_THREAD,
+        **channel,
     )
     status = lib.hf_paged_attention(ctypes.byref(params), DTYPES[query.dtype], KV_FORMATS[bits])
     if status != 0:

@@ -108,6 +108,9 @@ def gather_paged_attention(
     columns = (positions // block_size).clamp(max=block_tables.shape[1] - 1)
     blocks = block_tables.to(device=device, dtype=torch.long).index_select(1, columns)
     slots = blocks * block_size + positions % block_size  # [rows, max_len]
+    # past a row's end: its first slot (written), not slots never written (what they hold may not be finite, and a
+    # masked NaN still reaches the output through its zero weight)
+    slots = torch.where(positions[None, :] < seq_lens[:, None], slots, slots[:, :1])
     keys = read_slots(key_cache, slots).transpose(1, 2)  # [rows, kv_heads, max_len, head_dim]
     values = read_slots(value_cache, slots).transpose(1, 2)
     query_slots = torch.arange(max_queries, device=device)

@@ -19,6 +19,11 @@
 // Quantized pages (hf_paged.kv_format): K/V held as int8 codes, or int4 codes two a byte (low nibble first, stored
 // as code + 8), with a bfloat16 scale per token and KV head; a row is dequantized as code * scale in fp32 as it is
 // loaded, so nothing but the codes and scales is read.
+//
+// Keys per channel (kv_dtype="int4-channel", hf_paged.channel_keys): values as int4 above; a full block's keys as
+// 4-bit codes 0..15 with a bfloat16 step and minimum per channel of the block and KV head (code * step + minimum),
+// read against the rotated query; an open block's keys exact, in the query's dtype, in the rows of its companion
+// blocks (stage_tables names them), read against the query before its rotation.
 
 #include <algorithm>
 #include <cmath>
@@ -59,6 +64,15 @@ struct Params {
   int32_t query_tile;  // queries of a row per item
   int32_t min_split_keys;  // a key split holds at least this many keys
   int64_t min_work_per_thread;  // query-vector x key products worth a thread of their own
+  // keys per channel (kv_format 3) only, else null / 0:
+  const uint16_t* key_params;   // bfloat16 [blocks, kv_heads, 2, head_dim]: each channel's step, then minimum
+  int64_t kp_stride_block, kp_stride_head;
+  const int32_t* stage_tables;  // [blocks, stage_stride]: an open block's companion blocks (-1 first: none)
+  int64_t stage_stride;
+  const void* staging;          // a companion's row as [staging_tokens, kv_heads, head_dim] keys in the query's type
+  int64_t st_stride_block, st_stride_token, st_stride_head;
+  int32_t staging_tokens;
+  const void* query_plain;      // the query before its rotation (open blocks' keys are not rotated); query's strides
 };
 
 struct Item {
@@ -370,9 +384,23 @@ inline void accumulate_all(float* acc, const float* weights, const float* const*
   for (; m < M; ++m) accumulate<HD>(acc + static_cast<size_t>(m) * D, weights + static_cast<size_t>(m) * bs, v, n, D);
 }
 
+// One key row of a block whose keys are quantized per channel: code * step + minimum, in fp32 (`params`: the
+// block's D steps then D minimums, as fp32).
+inline const float* channel_row_as_float(const uint8_t* codes, const float* params, int D, float* buffer) {
+  const float* step = params;
+  const float* low = params + D;
+#pragma omp simd
+  for (int i = 0; i < D / 2; ++i) {
+    buffer[2 * i] = static_cast<float>(codes[i] & 15u) * step[2 * i] + low[2 * i];
+    buffer[2 * i + 1] = static_cast<float>(codes[i] >> 4) * step[2 * i + 1] + low[2 * i + 1];
+  }
+  return buffer;
+}
+
 // Attend the queries of one item over its key range. T: the query's and output's type; KV: the stored K/V's (T,
-// or quantized codes). HD: the head dim when known at compile time (0: p.head_dim).
-template <typename T, typename KV, int HD>
+// or quantized codes). HD: the head dim when known at compile time (0: p.head_dim). kChannel: keys per channel
+// (KV is then the values' Q4).
+template <typename T, typename KV, int HD, bool kChannel = false>
 void run_item(const Params& p, const Item& item, size_t slot_stride, float* partial_m, float* partial_l,
               float* partial_acc) {
   const int D = HD > 0 ? HD : p.head_dim;
@@ -390,6 +418,8 @@ void run_item(const Params& p, const Item& item, size_t slot_stride, float* part
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   std::vector<float> q(static_cast<size_t>(M) * D), acc(static_cast<size_t>(M) * D, 0.0f);
+  std::vector<float> q_plain(kChannel ? static_cast<size_t>(M) * D : 0), block_params(kChannel ? 2 * D : 0);
+  const T* query_plain = static_cast<const T*>(p.query_plain);
   std::vector<float> scores(static_cast<size_t>(M) * bs), k_buffer(static_cast<size_t>(kKeyGroup) * D),
       v_buffer(static_cast<size_t>(bs) * D);
   std::vector<const float*> v_rows(bs);
@@ -405,6 +435,11 @@ void run_item(const Params& p, const Item& item, size_t slot_stride, float* part
                            static_cast<int64_t>(head) * p.q_stride_head;
       // logits are scaled through the query (one multiply per query, not per key)
       for (int d = 0; d < D; ++d) q[static_cast<size_t>(m) * D + d] = Scalar<T>::load(query, base + d) * p.scale;
+      if constexpr (kChannel) {
+        for (int d = 0; d < D; ++d) {
+          q_plain[static_cast<size_t>(m) * D + d] = Scalar<T>::load(query_plain, base + d) * p.scale;
+        }
+      }
       lo[m] = p.window > 0 ? std::max(0, pos - p.window + 1) : 0;
       hi[m] = pos + 1;
       // a sink takes softmax mass once: in the split holding the row's first keys
@@ -426,6 +461,19 @@ void run_item(const Params& p, const Item& item, size_t slot_stride, float* part
     const int64_t scale_base = static_cast<int64_t>(table[block]) * p.scale_stride_block +
                                static_cast<int64_t>(item.kv_head) * p.scale_stride_head +
                                static_cast<int64_t>(first - block * bs) * p.scale_stride_token;
+    // keys per channel: an open block's keys from its companions (against the plain query), else this block's
+    // steps and minimums
+    const int32_t* companions = kChannel ? p.stage_tables + static_cast<int64_t>(table[block]) * p.stage_stride
+                                         : nullptr;
+    const bool staged = kChannel && companions[0] >= 0;
+    const float* q_keys = staged ? q_plain.data() : q.data();
+    if constexpr (kChannel) {
+      if (!staged) {
+        const uint16_t* params = p.key_params + static_cast<int64_t>(table[block]) * p.kp_stride_block +
+                                 static_cast<int64_t>(item.kv_head) * p.kp_stride_head;
+        for (int d = 0; d < 2 * D; ++d) block_params[d] = to_float(params[d], true);
+      }
+    }
     // ask the memory for the rows of the block kPrefetchBlocks ahead while this one is computed (blocks lie anywhere
     // in the pool, so no hardware prefetcher foresees them; into L2, not L1, which they would crowd): an item's
     // first block asks for its first kPrefetchBlocks + 1 blocks at once
@@ -451,20 +499,37 @@ void run_item(const Params& p, const Item& item, size_t slot_stride, float* part
       const float* k[kKeyGroup];
       for (int t = 0; t < kKeyGroup; ++t) {  // a short group repeats its last key (its dots are not used)
         const int j = j0 + t;
-        k[t] = t < g ? row_as_float(kc, block_base + j * p.kv_stride_token, p.key_scales,
-                                    scale_base + j * p.scale_stride_token, D, &k_buffer[static_cast<size_t>(t) * D])
-                     : k[g - 1];
+        float* buffer = &k_buffer[static_cast<size_t>(t) * D];
+        if (t >= g) {
+          k[t] = k[g - 1];
+        } else if constexpr (kChannel) {
+          const int offset = first - block * bs + j;
+          if (staged) {
+            const T* row = static_cast<const T*>(p.staging) +
+                           companions[offset / p.staging_tokens] * p.st_stride_block +
+                           static_cast<int64_t>(offset % p.staging_tokens) * p.st_stride_token +
+                           static_cast<int64_t>(item.kv_head) * p.st_stride_head;
+            for (int d = 0; d < D; ++d) buffer[d] = Scalar<T>::load(row, d);
+            k[t] = buffer;
+          } else {
+            const uint8_t* codes = &kc[block_base + j * p.kv_stride_token].codes;
+            k[t] = channel_row_as_float(codes, block_params.data(), D, buffer);
+          }
+        } else {
+          k[t] = row_as_float(kc, block_base + j * p.kv_stride_token, p.key_scales,
+                              scale_base + j * p.scale_stride_token, D, buffer);
+        }
       }
       if (all_visible && g == kKeyGroup) {  // the logits are the dot products: written in place
         for (int m = 0; m < M; ++m) {
-          dot_group<HD>(&q[static_cast<size_t>(m) * D], k, D, &scores[static_cast<size_t>(m) * bs + j0]);
+          dot_group<HD>(&q_keys[static_cast<size_t>(m) * D], k, D, &scores[static_cast<size_t>(m) * bs + j0]);
         }
         continue;
       }
       for (int m = 0; m < M; ++m) {
         float* sm = &scores[static_cast<size_t>(m) * bs];
         float dots[kKeyGroup];
-        dot_group<HD>(&q[static_cast<size_t>(m) * D], k, D, dots);
+        dot_group<HD>(&q_keys[static_cast<size_t>(m) * D], k, D, dots);
         for (int t = 0; t < g; ++t) {
           const int32_t key = first + j0 + t;
           if (key < lo[m] || key >= hi[m]) {
@@ -546,16 +611,16 @@ void run_item(const Params& p, const Item& item, size_t slot_stride, float* part
   }
 }
 
-template <typename T, typename KV>
+template <typename T, typename KV, bool kChannel>
 void run_item_any(const Params& p, const Item& item, size_t slot_stride, float* partial_m, float* partial_l,
                   float* partial_acc) {
   switch (p.head_dim) {
     case 64:
-      return run_item<T, KV, 64>(p, item, slot_stride, partial_m, partial_l, partial_acc);
+      return run_item<T, KV, 64, kChannel>(p, item, slot_stride, partial_m, partial_l, partial_acc);
     case 128:
-      return run_item<T, KV, 128>(p, item, slot_stride, partial_m, partial_l, partial_acc);
+      return run_item<T, KV, 128, kChannel>(p, item, slot_stride, partial_m, partial_l, partial_acc);
     default:
-      return run_item<T, KV, 0>(p, item, slot_stride, partial_m, partial_l, partial_acc);
+      return run_item<T, KV, 0, kChannel>(p, item, slot_stride, partial_m, partial_l, partial_acc);
   }
 }
 
@@ -589,11 +654,15 @@ void merge_splits(const Params& p, const Item& first, int num_splits, size_t slo
   }
 }
 
-template <typename T, typename KV>
+template <typename T, typename KV, bool kChannel = false>
 int run(const Params& p) {
   if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0 || p.block_size <= 0 || p.head_dim <= 0) return 1;
   constexpr bool quantized = std::is_same<KV, Q8>::value || std::is_same<KV, Q4>::value;
   if (quantized && (p.key_scales == nullptr || p.value_scales == nullptr)) return 3;
+  if (kChannel && (p.key_params == nullptr || p.stage_tables == nullptr || p.staging == nullptr ||
+                   p.query_plain == nullptr || p.staging_tokens <= 0)) {
+    return 5;
+  }
   if (std::is_same<KV, Q4>::value && p.head_dim % 2 != 0) return 4;
   // a small call runs on the calling thread: waking a team costs more than its work
   int64_t work = 0;  // query vectors x keys
@@ -652,7 +721,7 @@ int run(const Params& p) {
   const int64_t count = static_cast<int64_t>(items.size());
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && count > 1)
   for (int64_t i = 0; i < count; ++i) {
-    run_item_any<T, KV>(p, items[i], per_slot, partial_m.data(), partial_l.data(), partial_acc.data());
+    run_item_any<T, KV, kChannel>(p, items[i], per_slot, partial_m.data(), partial_l.data(), partial_acc.data());
   }
   const int64_t num_groups = static_cast<int64_t>(groups.size());
 #pragma omp parallel for num_threads(threads) if (threads > 1 && num_groups > 1)
@@ -668,8 +737,20 @@ int run(const Params& p) {
 extern "C" {
 
 // dtype (of the query and output): 0 float32, 1 bfloat16, 2 float16. kv_format: 0 K/V stored in dtype, 1 int8
-// codes, 2 int4 codes (with scales). Returns 0 on success.
+// codes, 2 int4 codes (with scales), 3 keys per channel (values as 2). Returns 0 on success.
 int hf_paged_attention(const Params* params, int dtype, int kv_format) {
+  if (kv_format == 3) {
+    switch (dtype) {
+      case 0:
+        return run<float, Q4, true>(*params);
+      case 1:
+        return run<BF16, Q4, true>(*params);
+      case 2:
+        return run<F16, Q4, true>(*params);
+      default:
+        return 2;
+    }
+  }
   if (kv_format < 0 || kv_format > 2) return 2;
   switch (dtype * 3 + kv_format) {
     case 0:
@@ -695,5 +776,5 @@ int hf_paged_attention(const Params* params, int dtype, int kv_format) {
   }
 }
 
-int hf_paged_abi_version() { return 3; }
+int hf_paged_abi_version() { return 4; }
 }
