@@ -278,10 +278,11 @@ class StagedKVStorage(KVStorage):
 
 class StagedPages:
     """One lane's keys (or values) of a `StagedKVStorage`, as the kernels read them: `read(slots)` for the gather
-    reference, the storage's views for the CPU kernel (the only in-place backend that reads these pages:
-    `in_place_backends`), and `shape` / `dtype` / `device` of the dense blocks it stands for."""
+    reference, the storage's views for the CPU and Triton kernels (the in-place backends that read these pages:
+    `in_place_backends`; flash-attn does not), and `shape` / `dtype` / `device` of the dense blocks it stands
+    for."""
 
-    in_place_backends = ("cpu",)
+    in_place_backends = ("cpu", "triton")
 
     def __init__(self, storage: StagedKVStorage, lane: int, part: str):
         self.storage, self.lane, self.part = storage, lane, part

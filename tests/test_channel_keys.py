@@ -16,7 +16,7 @@ from hf_paged.allocator import BlockAllocator
 from hf_paged.channel_keys import StagedLayout, dequantize_keys, quantize_key_blocks, round_trip_key_blocks
 from hf_paged.config import PagedCacheConfig
 from hf_paged.engine import Engine
-from hf_paged.kernels import paged_attention, resolve_kernel
+from hf_paged.kernels import paged_attention, resolve_kernel, unavailable_reason
 from hf_paged.kv_format import FORMATS, rotate
 from hf_paged.pool import KVShape
 from hf_paged.reference_models import tiny_model
@@ -183,10 +183,21 @@ def test_the_pool_counts_companions_in_its_bytes():
     pool.check_invariants()
 
 
-@pytest.mark.skipif(not CPU_KERNEL, reason="the CPU kernel cannot be built here")
+IN_PLACE = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not CPU_KERNEL, reason="the CPU kernel cannot be built here")),
+    pytest.param(
+        "triton",
+        marks=pytest.mark.skipif(
+            unavailable_reason("triton", "cpu") is not None, reason="Triton runs on CPU tensors only interpreted"
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("backend", IN_PLACE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("options", [{}, {"window": 7}, {"softcap": 5.0, "sinks": torch.tensor([0.5, -1.0, 2.0, 0.0])}])
-def test_cpu_kernel_reads_full_and_open_blocks_as_the_gather_reference(dtype, options):
+def test_in_place_kernels_read_full_and_open_blocks_as_the_gather_reference(backend, dtype, options):
     """Rows ending inside an open block and on a block edge, written over two writes each; decode and prefill
     queries. A negative control reads every open block as if it were full: far off."""
     generator = torch.Generator().manual_seed(11)
@@ -208,13 +219,13 @@ def test_cpu_kernel_reads_full_and_open_blocks_as_the_gather_reference(dtype, op
     key_pages, value_pages = storage.layer_tensors(0)
     args = (query, key_pages, value_pages, block_tables.int(), torch.tensor(lengths).int(), query_start)
     expected = paged_attention(*args, scale=dim**-0.5, kernel="gather", **options)
-    got = paged_attention(*args, scale=dim**-0.5, kernel="cpu", **options)
+    got = paged_attention(*args, scale=dim**-0.5, kernel=backend, **options)
     tolerance = 3e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=tolerance)
     storage._tables[:, 0] = -1  # negative control: open blocks read as full ones
     storage._device_tables.clear()
-    wrong = paged_attention(*args, scale=dim**-0.5, kernel="cpu", **options)
-    assert (wrong.float() - expected.float()).abs().max() > 0.1
+    wrong = paged_attention(*args, scale=dim**-0.5, kernel=backend, **options)
+    assert (wrong.float() - expected.float()).abs().nan_to_num(nan=float("inf")).max() > 0.1
 
 
 # ---------------------------------------------------------------------------------------------- generation
@@ -232,6 +243,17 @@ def test_greedy_generation_equals_stock_over_the_same_values(family):
     assert paged.past_key_values.attention_calls.keys() <= {"gather", "cpu"}
     if family == "llama":  # under the "hf_paged" attention (gemma2/3 here: eager attention, dense reads)
         assert ("cpu" in paged.past_key_values.attention_calls) == reads_in_place()  # the kernel reads these pages
+
+
+@pytest.mark.skipif(unavailable_reason("triton", "cpu") is not None, reason="Triton runs on CPU tensors interpreted")
+def test_generate_through_the_triton_kernel_equals_stock_over_the_same_values():
+    model = tiny_model("llama")
+    input_ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(6))
+    options = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    reference = generate_staged_round_trip(model, input_ids, 4, **options)
+    out = _paged(model, input_ids, cache_config={"kernel": "triton"}, **options)
+    assert torch.equal(out.sequences, reference)
+    assert set(out.past_key_values.attention_calls) == {"triton"}
 
 
 def test_a_negative_control_per_token_int4_pages_differ():

@@ -16,14 +16,17 @@ import torch
 
 pytest.importorskip("triton")
 
-# (storage dtype, quantized bits, query heads per KV head, head_dim, block size, window, softcap, sinks)
+# (storage dtype, quantized bits, query heads per KV head, head_dim, block size, window, softcap, sinks, keys per
+# channel: kv_dtype="int4-channel")
 VARIANTS = [
-    ("bfloat16", 0, 4, 128, 16, True, True, True),
-    ("float16", 0, 1, 64, 256, False, False, False),
-    ("float16", 0, 3, 80, 16, False, False, False),
-    ("float32", 0, 8, 128, 32, True, False, True),
-    ("bfloat16", 8, 2, 64, 16, False, True, False),
-    ("float16", 4, 2, 64, 16, True, False, False),
+    ("bfloat16", 0, 4, 128, 16, True, True, True, False),
+    ("float16", 0, 1, 64, 256, False, False, False, False),
+    ("float16", 0, 3, 80, 16, False, False, False, False),
+    ("float32", 0, 8, 128, 32, True, False, True, False),
+    ("bfloat16", 8, 2, 64, 16, False, True, False, False),
+    ("float16", 4, 2, 64, 16, True, False, False, False),
+    ("bfloat16", 4, 3, 64, 64, False, False, False, True),
+    ("float32", 4, 2, 64, 64, True, True, True, True),
 ]
 # (row lengths, queries per row, query heads per KV head, window, softcap) of the calls run on a CUDA device:
 # decode rows, then mixed chunks with a window and softcap
@@ -55,14 +58,17 @@ COMPILE = textwrap.dedent(
     kernel = backend._kernel()
     names = list(inspect.signature(kernel.fn).parameters)
     results = []
-    for dtype, bits, group, head_dim, block_size, window, softcap, sinks in json.loads(sys.argv[1]):
+    for dtype, bits, group, head_dim, block_size, window, softcap, sinks, channel in json.loads(sys.argv[1]):
         dtype = getattr(torch, dtype)
         constants = backend.kernel_constants(dtype, group, head_dim, block_size, window, softcap, sinks, bits)
+        if channel:
+            constants.update(CHANNEL_KEYS=True, STAGING_TOKENS=10)
         pages = {0: TYPES[dtype], 8: "i8", 4: "u8"}[bits]
         pointers = dict(
             query_ptr=TYPES[dtype], out_ptr=TYPES[dtype], key_ptr=pages, value_ptr=pages, tables_ptr="i32",
             seq_lens_ptr="i32", query_start_ptr="i32", sinks_ptr="fp32", key_scales_ptr="bf16",
-            value_scales_ptr="bf16",
+            value_scales_ptr="bf16", key_params_ptr="bf16", stage_ptr="i32", staging_ptr=TYPES[dtype],
+            query_plain_ptr=TYPES[dtype],
         )
         signature = {
             name: "constexpr" if name in constants else "*" + pointers[name] if name in pointers

@@ -23,7 +23,8 @@ import os
 
 import torch
 
-from ..kv_format import QuantizedPages, attends_rotated_pages
+from ..kv_format import QuantizedPages, attends_rotated_pages, rotate
+from ..staged_storage import StagedPages
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # keys per inner step, by (fp32 products, quantized bits), as measured on an H200 (benchmarks/gpu_page_formats.py
@@ -87,9 +88,32 @@ def attention(
 ) -> torch.Tensor:
     """`kernels.paged_attention` in Triton, reading the blocks where they lie (no host synchronisation). Quantized
     pages (`hf_paged.kv_format`) are dequantized as they are loaded (codes x scale, fp32) and, being stored rotated,
-    attended in their rotated space: the queries are rotated in, the output back out."""
+    attended in their rotated space: the queries are rotated in, the output back out. Keys per channel
+    (`"int4-channel"`): full blocks' keys against the rotated queries, open blocks' exact keys against the queries
+    themselves."""
+    if isinstance(key_cache, StagedPages):
+        rotated = _attention(rotate(query).to(query.dtype), key_cache, value_cache, block_tables, seq_lens,
+                             query_start, scale, window, softcap, sinks, query_plain=query)  # fmt: skip
+        result = rotate(rotated).to(query.dtype)
+        return result if out is None else out.copy_(result)
+    return _attention(query, key_cache, value_cache, block_tables, seq_lens, query_start, scale, window, softcap,
+                      sinks, out)  # fmt: skip
+
+
+def _attention(
+    query, key_cache, value_cache, block_tables, seq_lens, query_start, scale, window, softcap, sinks, out=None,
+    query_plain=None,
+) -> torch.Tensor:  # fmt: skip
     quant_bits, key_scales, value_scales = 0, None, None
-    if isinstance(key_cache, QuantizedPages):
+    channel = None
+    if isinstance(key_cache, StagedPages):
+        storage, lane = key_cache.storage, key_cache.lane
+        quant_bits, key_scales, value_scales = 4, storage.value_scales[lane], storage.value_scales[lane]
+        params, staging = storage.key_scales[lane], storage.staging[lane]
+        tables = storage.tables_on(query.device)
+        channel = (params, tables, staging)
+        key_cache, value_cache = storage.keys[lane], storage.values[lane]
+    elif isinstance(key_cache, QuantizedPages):
         quant_bits, key_scales, value_scales = key_cache.format.bits, key_cache.scales, value_cache.scales
         key_cache, value_cache = key_cache.codes, value_cache.codes
         if key_scales.stride() != value_scales.stride():
@@ -113,6 +137,12 @@ def attention(
         query.dtype, group, head_dim, key_cache.shape[1], window is not None, softcap is not None, sinks is not None,
         quant_bits,
     )  # fmt: skip
+    if channel is not None:
+        params, tables, staging = channel
+        constants.update(CHANNEL_KEYS=True, STAGING_TOKENS=staging.shape[1])
+        channel_args = (params, *params.stride(), tables, tables.stride(0), staging, *staging.stride(), query_plain)
+    else:  # unused pointers and strides
+        channel_args = (query, 0, 0, 0, 0, block_tables, 0, query, 0, 0, 0, 0, query)
     grid = (num_tokens // constants["BLOCK_Q"] + num_rows, num_kv_heads)
     kernel[grid](
         query,
@@ -135,6 +165,7 @@ def attention(
         *value_cache.stride(),
         block_tables.stride(0),
         *(key_scales.stride() if key_scales is not None else (0, 0, 0)),
+        *channel_args,
         **constants,
     )
     return out
@@ -171,6 +202,8 @@ def kernel_constants(
         USE_SINKS=use_sinks,
         DOT_FP32=dot_fp32,
         QUANT_BITS=quant_bits,
+        CHANNEL_KEYS=False,  # keys per channel ("int4-channel" pages): set by the call
+        STAGING_TOKENS=1,
     )
 
 

@@ -35,6 +35,53 @@ def _load_kv(rows, dims, stride_dim, mask, scales, scale_mask, QUANT_BITS: tl.co
 
 
 @triton.jit
+def _channel_scores(
+    q, q_plain, key_ptr, key_params_ptr, stage_ptr, staging_ptr, block, slot, kv_head, offs_d, key_valid, dim_valid,
+    k_stride_block, k_stride_slot, k_stride_head, k_stride_dim, kp_stride_block, kp_stride_head, kp_stride_two,
+    kp_stride_dim, stage_stride, st_stride_block, st_stride_token, st_stride_head, st_stride_dim,
+    STAGING_TOKENS: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """Logits of a tile over keys quantized per channel (`kv_dtype="int4-channel"`): a full block's keys are 4-bit
+    codes times their channel's step plus its minimum (rotated space, against `q`); an open block's keys are read
+    exactly from its companions' rows (against `q_plain`)."""
+    first_companion = tl.load(stage_ptr + block * stage_stride, mask=key_valid, other=-1)
+    staged = key_valid & (first_companion >= 0)
+    full = key_valid & (first_companion < 0)
+    companion = tl.load(stage_ptr + block * stage_stride + slot // STAGING_TOKENS, mask=staged, other=0)
+    plain = tl.load(
+        staging_ptr
+        + companion[None, :] * st_stride_block
+        + (slot % STAGING_TOKENS)[None, :] * st_stride_token
+        + kv_head * st_stride_head
+        + offs_d[:, None] * st_stride_dim,
+        mask=staged[None, :] & dim_valid[:, None],
+        other=0.0,
+    )  # [HEAD_DIM_PADDED, TILE_N]
+    full_mask = full[None, :] & dim_valid[:, None]
+    packed = tl.load(
+        key_ptr
+        + block[None, :] * k_stride_block
+        + slot[None, :] * k_stride_slot
+        + kv_head * k_stride_head
+        + (offs_d[:, None] // 2) * k_stride_dim,
+        mask=full_mask,
+        other=0,
+    ).to(tl.int32)
+    nibble = tl.where(offs_d[:, None] % 2 == 0, packed & 15, packed >> 4).to(tl.float32)
+    params = (
+        key_params_ptr + block[None, :] * kp_stride_block + kv_head * kp_stride_head + offs_d[:, None] * kp_stride_dim
+    )
+    step = tl.load(params, mask=full_mask, other=0.0).to(tl.float32)
+    low = tl.load(params + kp_stride_two, mask=full_mask, other=0.0).to(tl.float32)
+    k = nibble * step + low  # 0 where the key is open or not read
+    if DOT_FP32:
+        s = tl.dot(q, k, input_precision="ieee") + tl.dot(q_plain, plain.to(tl.float32), input_precision="ieee")
+    else:
+        s = tl.dot(q, k.to(q.dtype)) + tl.dot(q_plain, plain.to(q.dtype))
+    return s
+
+
+@triton.jit
 def paged_attention_kernel(
     query_ptr,
     key_ptr,
@@ -68,6 +115,19 @@ def paged_attention_kernel(
     s_stride_block,
     s_stride_slot,
     s_stride_head,
+    key_params_ptr,  # keys per channel only (else unused): bf16 [blocks, kv_heads, 2, head_dim] steps, minimums
+    kp_stride_block,
+    kp_stride_head,
+    kp_stride_two,
+    kp_stride_dim,
+    stage_ptr,  # int32 [blocks, stage_stride]: an open block's companion blocks (-1 first: none)
+    stage_stride,
+    staging_ptr,  # companions' rows as [blocks, STAGING_TOKENS, kv_heads, head_dim] keys in the query's dtype
+    st_stride_block,
+    st_stride_token,
+    st_stride_head,
+    st_stride_dim,
+    query_plain_ptr,  # the query before its rotation, laid out as the query
     BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -80,6 +140,8 @@ def paged_attention_kernel(
     USE_SINKS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     QUANT_BITS: tl.constexpr,
+    CHANNEL_KEYS: tl.constexpr,
+    STAGING_TOKENS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -119,6 +181,17 @@ def paged_attention_kernel(
     )
     if DOT_FP32:
         q = q.to(tl.float32)
+    if CHANNEL_KEYS:  # open blocks' keys are exact and not rotated: they meet the query as it is
+        q_plain = tl.load(
+            query_plain_ptr
+            + (row_start + query_index)[:, None] * q_stride_token
+            + head[:, None] * q_stride_head
+            + offs_d[None, :] * q_stride_dim,
+            mask=query_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )
+        if DOT_FP32:
+            q_plain = q_plain.to(tl.float32)
 
     if USE_SINKS:
         m_i = tl.load(sinks_ptr + head, mask=query_valid, other=float("-inf")).to(tl.float32)
@@ -142,21 +215,29 @@ def paged_attention_kernel(
         block = tl.load(table + key_position // BLOCK_SIZE, mask=key_valid, other=0)
         slot = key_position % BLOCK_SIZE
         scale_at = block * s_stride_block + slot * s_stride_slot + kv_head * s_stride_head  # quantized pages only
-        k = _load_kv(
-            key_ptr + block[None, :] * k_stride_block + slot[None, :] * k_stride_slot + kv_head * k_stride_head,
-            offs_d[:, None],
-            k_stride_dim,
-            key_valid[None, :] & dim_valid[:, None],
-            key_scales_ptr + scale_at[None, :],
-            key_valid[None, :],
-            QUANT_BITS,
-        )  # [HEAD_DIM_PADDED, TILE_N]
-        if not DOT_FP32:
-            k = k.to(query_ptr.dtype.element_ty)  # dequantized codes to the tensor cores' half precision
-        if DOT_FP32:
-            s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
+        if CHANNEL_KEYS:
+            s = _channel_scores(
+                q, q_plain, key_ptr, key_params_ptr, stage_ptr, staging_ptr, block, slot, kv_head, offs_d,
+                key_valid, dim_valid, k_stride_block, k_stride_slot, k_stride_head, k_stride_dim, kp_stride_block,
+                kp_stride_head, kp_stride_two, kp_stride_dim, stage_stride, st_stride_block, st_stride_token,
+                st_stride_head, st_stride_dim, STAGING_TOKENS, DOT_FP32,
+            )  # fmt: skip
         else:
-            s = tl.dot(q, k)
+            k = _load_kv(
+                key_ptr + block[None, :] * k_stride_block + slot[None, :] * k_stride_slot + kv_head * k_stride_head,
+                offs_d[:, None],
+                k_stride_dim,
+                key_valid[None, :] & dim_valid[:, None],
+                key_scales_ptr + scale_at[None, :],
+                key_valid[None, :],
+                QUANT_BITS,
+            )  # [HEAD_DIM_PADDED, TILE_N]
+            if not DOT_FP32:
+                k = k.to(query_ptr.dtype.element_ty)  # dequantized codes to the tensor cores' half precision
+            if DOT_FP32:
+                s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
+            else:
+                s = tl.dot(q, k)
         s = s * scale
         if USE_SOFTCAP:
             s = softcap * _tanh(s / softcap)
