@@ -209,11 +209,15 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
 def attends_rotated_pages(attention):
     """Let a kernel's `attention(query, key_cache, value_cache, *args, out=None)`, which reads K/V as the pages hold
     them, attend quantized pages stored rotated: the queries are rotated in and the output back out (attention is
-    unchanged by the rotation, see the module docstring); any other call goes through as it is."""
+    unchanged by the rotation, see the module docstring); pages with `keys_per_channel` (`StagedPages`) also get the
+    query as it is, `query_plain`, for their open blocks' keys, which are stored unrotated. Any other call goes
+    through as it is."""
 
     @functools.wraps(attention)
     def wrapper(query, key_cache, value_cache, *args, out=None, **kwargs):
-        if not (isinstance(key_cache, QuantizedPages) and key_cache.format.rotated):
+        if getattr(key_cache, "keys_per_channel", False):  # StagedPages: open blocks' keys are stored unrotated
+            kwargs["query_plain"] = query
+        elif not (isinstance(key_cache, QuantizedPages) and key_cache.format.rotated):
             return attention(query, key_cache, value_cache, *args, out=out, **kwargs)
         rotated = attention(rotate(query).to(query.dtype), key_cache, value_cache, *args, **kwargs)
         result = rotate(rotated).to(query.dtype)

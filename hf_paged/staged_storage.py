@@ -283,6 +283,7 @@ class StagedPages:
     for."""
 
     in_place_backends = ("cpu", "triton")
+    keys_per_channel = True  # `attends_rotated_pages` hands the kernels the query unrotated too
 
     def __init__(self, storage: StagedKVStorage, lane: int, part: str):
         self.storage, self.lane, self.part = storage, lane, part

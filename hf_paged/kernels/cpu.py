@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..kv_format import QuantizedPages, attends_rotated_pages, rotate
+from ..kv_format import QuantizedPages, attends_rotated_pages
 from ..staged_storage import StagedPages
 from .build import load_library
 
@@ -121,23 +121,11 @@ def attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    query_plain: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`kernels.paged_attention` on the CPU, reading the blocks where they lie (quantized pages: their codes and
     scales, dequantized as each row is loaded; stored rotated, attended in their rotated space; keys per channel:
     full blocks' keys against the rotated query, open blocks' exact keys against the query itself)."""
-    if isinstance(key_cache, StagedPages):
-        rotated = _attention(rotate(query).to(query.dtype), key_cache, value_cache, block_tables, seq_lens,
-                             query_start, scale, window, softcap, sinks, query_plain=query)  # fmt: skip
-        result = rotate(rotated).to(query.dtype)
-        return result if out is None else out.copy_(result)
-    return _attention(query, key_cache, value_cache, block_tables, seq_lens, query_start, scale, window, softcap,
-                      sinks, out)  # fmt: skip
-
-
-def _attention(
-    query, key_cache, value_cache, block_tables, seq_lens, query_start, scale, window, softcap, sinks, out=None,
-    query_plain=None,
-) -> torch.Tensor:  # fmt: skip
     lib = library()
     num_tokens, num_q_heads, head_dim = query.shape
     if out is None:

@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from ..kv_format import QuantizedPages, attends_rotated_pages, rotate
+from ..kv_format import QuantizedPages, attends_rotated_pages
 from ..staged_storage import StagedPages
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -85,25 +85,13 @@ def attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    query_plain: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`kernels.paged_attention` in Triton, reading the blocks where they lie (no host synchronisation). Quantized
     pages (`hf_paged.kv_format`) are dequantized as they are loaded (codes x scale, fp32) and, being stored rotated,
     attended in their rotated space: the queries are rotated in, the output back out. Keys per channel
     (`"int4-channel"`): full blocks' keys against the rotated queries, open blocks' exact keys against the queries
     themselves."""
-    if isinstance(key_cache, StagedPages):
-        rotated = _attention(rotate(query).to(query.dtype), key_cache, value_cache, block_tables, seq_lens,
-                             query_start, scale, window, softcap, sinks, query_plain=query)  # fmt: skip
-        result = rotate(rotated).to(query.dtype)
-        return result if out is None else out.copy_(result)
-    return _attention(query, key_cache, value_cache, block_tables, seq_lens, query_start, scale, window, softcap,
-                      sinks, out)  # fmt: skip
-
-
-def _attention(
-    query, key_cache, value_cache, block_tables, seq_lens, query_start, scale, window, softcap, sinks, out=None,
-    query_plain=None,
-) -> torch.Tensor:  # fmt: skip
     quant_bits, key_scales, value_scales = 0, None, None
     channel = None
     if isinstance(key_cache, StagedPages):

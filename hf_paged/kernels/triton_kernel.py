@@ -171,25 +171,14 @@ def paged_attention_kernel(
     query_valid = (offs_m // GROUP < BLOCK_Q) & (query_index < num_queries)
     dim_valid = offs_d < HEAD_DIM
     position = context + query_index  # of each query in its row
-    q = tl.load(
-        query_ptr
-        + (row_start + query_index)[:, None] * q_stride_token
-        + head[:, None] * q_stride_head
-        + offs_d[None, :] * q_stride_dim,
-        mask=query_valid[:, None] & dim_valid[None, :],
-        other=0.0,
-    )
+    query_at = (row_start + query_index)[:, None] * q_stride_token + head[:, None] * q_stride_head
+    query_at += offs_d[None, :] * q_stride_dim
+    query_mask = query_valid[:, None] & dim_valid[None, :]
+    q = tl.load(query_ptr + query_at, mask=query_mask, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
     if CHANNEL_KEYS:  # open blocks' keys are exact and not rotated: they meet the query as it is
-        q_plain = tl.load(
-            query_plain_ptr
-            + (row_start + query_index)[:, None] * q_stride_token
-            + head[:, None] * q_stride_head
-            + offs_d[None, :] * q_stride_dim,
-            mask=query_valid[:, None] & dim_valid[None, :],
-            other=0.0,
-        )
+        q_plain = tl.load(query_plain_ptr + query_at, mask=query_mask, other=0.0)
         if DOT_FP32:
             q_plain = q_plain.to(tl.float32)
 
