@@ -12,7 +12,8 @@ pages, in one run: perplexity at long contexts, greedy continuations, teacher-fo
 - Speed: the median decode step of greedy `generate`, batch 8 (`--speed-contexts`), each format in turn,
   `--repeats` rounds; and one layer's attention alone in the CPU kernel (8 x 4,096, SmolLM2's shapes).
 
-Usage: python benchmarks/kv_channel.py [--contexts 1024 4096] [--tokens 20480] [--speed-contexts 1024 4096]
+Usage: python benchmarks/kv_channel.py [--contexts 1024 4096] [--tokens 20480] [--prompts 50]
+       [--speed-contexts 1024 4096] [--repeats 3]  (an empty --contexts or --prompts 0 skips that part)
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="*", default=[1024, 4096])
     parser.add_argument("--tokens", type=int, default=20480, help="perplexity tokens per context, at least")
-    parser.add_argument("--prompts", type=int, default=50)
+    parser.add_argument("--prompts", type=int, default=50, help="prompts for continuations (0: none)")
     parser.add_argument("--speed-contexts", type=int, nargs="*", default=[1024, 4096])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
@@ -130,10 +131,17 @@ def main() -> None:
                     f"{math.exp(nll[kv_dtype] - nll['auto']) - 1:+.2%}",
                 ]  # fmt: skip
             )
-    print("\n## Perplexity through the pages (fp32 weights; chunks of 256)\n")
-    print(markdown_table(["context", "tokens", "pages", "perplexity", "vs fp32 pages"], rows) + "\n")
+    if rows:
+        print("\n## Perplexity through the pages (fp32 weights; chunks of 256)\n")
+        print(markdown_table(["context", "tokens", "pages", "perplexity", "vs fp32 pages"], rows) + "\n")
 
-    _, prompts = text_workload(tokenizer, 20, args.prompts)
+    if args.prompts:
+        continuation_rows(model, tokenizer, args.prompts)
+    speed_rows(model, args.speed_contexts, args.repeats)
+
+
+def continuation_rows(model, tokenizer, num_prompts: int) -> None:
+    _, prompts = text_workload(tokenizer, 20, num_prompts)
     base = greedy_continuations(model, prompts, past_key_values=paged(model, "auto"))
     rows = []
     identity = lambda x: x  # noqa: E731
@@ -143,14 +151,16 @@ def main() -> None:
     for label, new_cache in caches.items():
         same = (greedy_continuations(model, prompts, past_key_values=new_cache()) == base).all(dim=1)
         flips = agreement(teacher_forced(model, prompts, base, new_cache()))
-        rows.append([label, f"{same.float().mean().item():.0%} ({int(same.sum())} of {args.prompts})", flips])
+        rows.append([label, f"{same.float().mean().item():.0%} ({int(same.sum())} of {num_prompts})", flips])
     print("## Greedy continuations vs fp32 pages, and next-token agreement under teacher forcing\n")
     print(markdown_table(["pages", "64-token continuations identical", "next token agrees"], rows) + "\n")
 
+
+def speed_rows(model, contexts: list[int], repeats: int) -> None:
     rows = []
-    for context in args.speed_contexts:
+    for context in contexts:
         seconds = {kv_dtype: [] for kv_dtype in FORMATS}
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             for kv_dtype in FORMATS:
                 seconds[kv_dtype].append(decode_step(model, 8, context, kv_dtype))
         median = {kv_dtype: statistics.median(values) for kv_dtype, values in seconds.items()}

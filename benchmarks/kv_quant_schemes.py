@@ -4,8 +4,10 @@ the formats shipped (`kv_dtype="int8"`, `"int4"`), all in one run, with the byte
 Method: a `DynamicCache` that stores every K/V tensor as the candidate's pages would give it back (quantized and
 dequantized, in fp32), so only the storage scheme differs from unquantized pages; the metrics are kv_quant.py's,
 over the same text (Python's own documentation, `pydoc_data.topics`): perplexity over `--segments` segments of
-1,024 tokens fed in chunks of 256 (each chunk reads its predecessors' K/V back from the "pages"), and the share of
-`--prompts` greedy 64-token continuations identical to unquantized pages. fp32 weights. A continuation parts at its
+`--context` tokens (1,024 by default; as many segments as make 20,480 tokens or more unless given: 20 of 1,024, 5 of
+4,096) fed in chunks of 256 (each chunk reads its predecessors' K/V back from the "pages": at longer contexts, more
+of the context attended is quantized), and the share of `--prompts` greedy 64-token continuations identical to
+unquantized pages (`--ppl-only` skips those and the teacher-forced check). fp32 weights. A continuation parts at its
 first differing token and then diverges by itself, so that share counts prompts with at least one near-tie flipped;
 "next token agrees" counts the flips one step at a time instead: each prompt followed by its unquantized
 continuation is fed in one forward (teacher forcing) and every one of the 64 positions' greedy next token is compared
@@ -21,20 +23,25 @@ rotated by `H`, symmetric codes):
   tokens), every channel gets its own minimum and step (`(max - min) / (2**bits - 1)`), both bfloat16, and codes
   0..2**bits-1 (KIVI's grouping of keys). The scales need the whole group, so the tokens of a group not yet full
   stay unquantized (the open block kept in full precision until it fills). "rotated": the vectors are rotated by `H`
-  first.
+  first. "clip search": per channel and group, the range `[min + a (max - min), max - b (max - min)]` with the
+  least squared error over the group's tokens, for `a`, `b` in `CLIP` (0 to 15%; same bytes). "open group int8":
+  the open group's keys held as int8 as shipped (not exact), and a group quantized from those int8 values as it
+  fills.
 - Keys "centred on the previous block": nothing kept in full precision; each block is centred on the mean of
   the previous block as read back (derivable by every reader: no bytes), then quantized per token as shipped.
 - "first N tokens unquantized": as shipped, except a sequence's first N tokens (keys and values) kept exact.
-- Values: as shipped (per token).
+- Values: as shipped (per token). "values clip search": as shipped with the scale `absmax * s / 7`, per token the
+  `s` in 1.0, 0.95, 0.9, 0.85, 0.8 with the least squared error (same bytes).
 
 Bytes per cached token and head (head_dim 64) count codes, scales and zero points at bfloat16, vs bfloat16 pages
-(256 bytes for K and V); the full-precision open block is not counted (at most G - 1 tokens a sequence).
+(256 bytes for K and V); the full-precision (or int8) open block is not counted (at most G - 1 tokens a sequence).
 
 First table: sequences resident in `--budget` of KV for each scheme (kv_quant.py's method and ShareGPT-like mix),
-in blocks of its group, with its open group's keys in fp32 counted per running sequence (what building it needs) and
-not counted.
+in blocks of its group, with its open group's keys in fp32 (int8 where named) counted per running sequence (what
+building it needs) and not counted.
 
-Usage: python benchmarks/kv_quant_schemes.py [--segments 20] [--prompts 50] [--schemes NAME ...] [--budget 1GiB]
+Usage: python benchmarks/kv_quant_schemes.py [--context 1024] [--segments 20] [--prompts 50] [--ppl-only]
+       [--schemes NAME ...] [--budget 1GiB] [--threads N]
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ import time
 import torch
 from common import environment, markdown_table
 from kv_memory import admitted, sharegpt_like_requests
-from kv_quant import BLOCK_SIZE, SEGMENT, chunked_nll, greedy_continuations, text_workload
+from kv_quant import BLOCK_SIZE, CHUNK, SEGMENT, english_text_ids, greedy_continuations
 from transformers import DynamicCache
 
 from hf_paged.config import parse_memory
@@ -67,9 +74,12 @@ def shipped(name: str):
     return FORMATS[name].round_trip
 
 
-def keys_per_channel(bits: int, group: int, rotated: bool):
+def keys_per_channel(bits: int, group: int, rotated: bool, clip: tuple[float, ...] = (0.0,)):
     """Round trip of keys quantized per channel over each full group of `group` tokens, asymmetric (bfloat16 minimum
-    and step per channel); the last, partial group stays unquantized."""
+    and step per channel); the last, partial group stays unquantized. `clip`: the shares of a channel's range tried
+    off each end (the range `[min + a * (max - min), max - b * (max - min)]` for every `a`, `b` in `clip`, values
+    outside clamped to it), keeping per channel and group the one with the least squared error over its tokens (the
+    first tried wins ties: `clip` starting with 0 never does worse than the whole range)."""
     levels = 2**bits - 1
 
     def round_trip(x: torch.Tensor) -> torch.Tensor:
@@ -79,15 +89,53 @@ def keys_per_channel(bits: int, group: int, rotated: bool):
         out = values.clone()
         if full:
             groups = values[:, :, :full].reshape(batch, heads, full // group, group, dim)
-            low = groups.amin(dim=3, keepdim=True).to(torch.bfloat16).float()
-            high = groups.amax(dim=3, keepdim=True)
-            step = ((high - low) / levels).to(torch.bfloat16).float()
-            divisor = torch.where(step > 0, step, torch.ones_like(step))
-            codes = torch.round((groups - low) / divisor).clamp(0, levels)
-            out[:, :, :full] = (codes * step + low).reshape(batch, heads, full, dim)
+            minimum, maximum = groups.amin(dim=3, keepdim=True), groups.amax(dim=3, keepdim=True)
+            best, least = groups, torch.full_like(minimum, math.inf)
+            for a in clip:
+                for b in clip:
+                    low = (minimum + a * (maximum - minimum)).to(torch.bfloat16).float()
+                    high = maximum - b * (maximum - minimum)
+                    step = ((high - low) / levels).to(torch.bfloat16).float()
+                    divisor = torch.where(step > 0, step, torch.ones_like(step))
+                    tried = torch.round((groups - low) / divisor).clamp(0, levels) * step + low
+                    error = (tried - groups).square().sum(dim=3, keepdim=True)
+                    best, least = torch.where(error < least, tried, best), torch.minimum(error, least)
+            out[:, :, :full] = best.reshape(batch, heads, full, dim)
         return (rotate(out) if rotated else out).to(x.dtype)
 
     return round_trip
+
+
+def values_clip_search(bits: int, shrink: tuple[float, ...] = (1.0, 0.95, 0.9, 0.85, 0.8)):
+    """Round trip of the shipped per-token format (rotated, symmetric, one bfloat16 scale a token) with the scale
+    `absmax * s / max_code` for the `s` in `shrink` that gives each token the least squared error (codes clamped;
+    the first tried wins ties: `shrink` starting with 1.0 never does worse than as shipped). Same bytes as shipped."""
+    levels = 2 ** (bits - 1) - 1
+
+    def round_trip(x: torch.Tensor) -> torch.Tensor:
+        values = rotate(x)
+        absmax = values.abs().amax(dim=-1, keepdim=True)
+        best, least = values, torch.full_like(absmax, math.inf)
+        for s in shrink:
+            scale = (absmax * s / levels).to(torch.bfloat16).float()
+            divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
+            tried = torch.round(values / divisor).clamp(-levels, levels) * scale
+            error = (tried - values).square().sum(dim=-1, keepdim=True)
+            best, least = torch.where(error < least, tried, best), torch.minimum(error, least)
+        return rotate(best).to(x.dtype)
+
+    return round_trip
+
+
+def open_group_int8(round_trip):
+    """Round trip of a per-channel scheme whose open group is kept in int8 as shipped instead of exact: the keys go
+    through `shipped("int8")` first, and a group is quantized per channel from those int8 values when it fills."""
+    int8 = shipped("int8")
+
+    def stored_int8(x: torch.Tensor) -> torch.Tensor:
+        return round_trip(int8(x))
+
+    return stored_int8
 
 
 def keys_centered(bits: int, block: int, scales_per_token: int):
@@ -153,8 +201,8 @@ def resident(
 
 
 def resident_rows(names: list[str], budget: int, layers: int, kv_heads: int) -> list[list[str]]:
-    """Sequences resident per scheme: blocks of its group, without and with its open group's keys in fp32 (what
-    building it would need), next to bf16 and fp32 pages of 16 tokens."""
+    """Sequences resident per scheme: blocks of its group, without and with its open group's keys in fp32 or int8
+    (what building it would need), next to bf16 and fp32 pages of 16 tokens."""
     bf16 = resident(4 * HEAD_DIM, BLOCK_SIZE, 0, budget, layers, kv_heads)
     fp32 = resident(8 * HEAD_DIM, BLOCK_SIZE, 0, budget, layers, kv_heads)
     rows = [["fp32 pages", str(BLOCK_SIZE), "-", f"{fp32:.1f}", f"{fp32 / bf16:.2f}x", "1.00x"]]
@@ -162,9 +210,10 @@ def resident_rows(names: list[str], budget: int, layers: int, kv_heads: int) -> 
         _, _, key_bytes, value_bytes = SCHEMES[name]
         group = open_group(name)
         per_channel = "per channel" in name
-        for open_bytes in [0, group * 4 * HEAD_DIM] if per_channel else [0]:
+        open_token = bytes_shipped(8) if "open group int8" in name else 4 * HEAD_DIM
+        for open_bytes in [0, group * open_token] if per_channel else [0]:
             count = resident(key_bytes + value_bytes, group, open_bytes, budget, layers, kv_heads)
-            counted = f"{open_bytes:,} B" if open_bytes else "not counted" if per_channel else "-"
+            counted = f"{open_bytes:,g} B" if open_bytes else "not counted" if per_channel else "-"
             rows.append([name, str(group), counted, f"{count:.1f}", f"{count / bf16:.2f}x", f"{count / fp32:.2f}x"])
     return rows
 
@@ -176,6 +225,8 @@ def bytes_shipped(bits: int) -> float:
 def bytes_per_channel(bits: int, group: int) -> float:
     return HEAD_DIM * bits / 8 + 2 * 2 * HEAD_DIM / group
 
+
+CLIP = (0.0, 0.05, 0.1, 0.15)  # shares of a channel's range tried off each end by the clip-search schemes
 
 SCHEMES = {  # name: (keys, values, bytes of K, bytes of V per token and head)
     "bf16 pages": (bf16, bf16, 2 * HEAD_DIM, 2 * HEAD_DIM),
@@ -193,6 +244,15 @@ SCHEMES = {  # name: (keys, values, bytes of K, bytes of V per token and head)
                                                   bytes_per_channel(4, 32), bytes_shipped(4)),
     "int4, keys per channel rotated (group 64)": (keys_per_channel(4, 64, True), shipped("int4"),
                                                   bytes_per_channel(4, 64), bytes_shipped(4)),
+    "int4, keys per channel rotated, clip search (group 32)": (keys_per_channel(4, 32, True, CLIP), shipped("int4"),
+                                                               bytes_per_channel(4, 32), bytes_shipped(4)),
+    "int4, keys per channel rotated, clip search (group 64)": (keys_per_channel(4, 64, True, CLIP), shipped("int4"),
+                                                               bytes_per_channel(4, 64), bytes_shipped(4)),
+    "int4, keys per channel rotated, clip search (group 64), values clip search": (
+        keys_per_channel(4, 64, True, CLIP), values_clip_search(4), bytes_per_channel(4, 64), bytes_shipped(4)),
+    "int4, keys per channel rotated (group 64), open group int8": (open_group_int8(keys_per_channel(4, 64, True)),
+                                                                   shipped("int4"), bytes_per_channel(4, 64),
+                                                                   bytes_shipped(4)),
     "int4, keys unquantized": (lambda x: x, shipped("int4"), 4 * HEAD_DIM, bytes_shipped(4)),
     "int4, keys centred on the previous block (16)": (keys_centered(4, 16, 1), shipped("int4"), bytes_shipped(4),
                                                       bytes_shipped(4)),
@@ -227,6 +287,34 @@ class RoundTripCache(DynamicCache):
         return keys, values
 
 
+def context_workload(
+    tokenizer, context: int, num_segments: int, num_prompts: int
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """kv_quant.py's `text_workload` with perplexity segments of `context + 1` token ids (the same at `SEGMENT`):
+    `num_segments` of them from the English text, then `num_prompts` prompts of 32 tokens from the text after them."""
+    ids = english_text_ids(tokenizer)
+    segments = [ids[i * context : (i + 1) * context + 1] for i in range(num_segments)]
+    start = num_segments * context + 1
+    prompts = torch.stack([ids[start + i * 96 : start + i * 96 + 32] for i in range(num_prompts)])
+    assert prompts.shape == (num_prompts, 32) and all(s.numel() == context + 1 for s in segments), "text too short"
+    return segments, prompts
+
+
+@torch.no_grad()
+def chunked_nll(model, segments: list[torch.Tensor], new_cache) -> tuple[float, int]:
+    """kv_quant.py's `chunked_nll` over segments of any length: the mean next-token NLL over `segments`, each fed
+    in chunks of `CHUNK` tokens to a cache of its own from `new_cache()`, and how many tokens it covers."""
+    total, count = 0.0, 0
+    for segment in segments:
+        cache = new_cache()
+        for start in range(0, segment.numel() - 1, CHUNK):
+            logits = model(segment[None, start : start + CHUNK], past_key_values=cache, use_cache=True).logits[0]
+            targets = segment[start + 1 : start + CHUNK + 1]
+            total += torch.nn.functional.cross_entropy(logits[: targets.numel()], targets, reduction="sum").item()
+            count += targets.numel()
+    return total / count, count
+
+
 def mean_nll(model, segments: list[torch.Tensor], keys, values) -> float:
     return chunked_nll(model, segments, lambda: RoundTripCache(model.config, keys, values))[0]
 
@@ -248,11 +336,17 @@ def next_token_agreement(model, prompts: torch.Tensor, reference: torch.Tensor, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--segments", type=int, default=20, help="perplexity segments of 1,024 tokens")
+    parser.add_argument("--context", type=int, default=SEGMENT, help="tokens of a perplexity segment")
+    parser.add_argument("--segments", type=int, help="perplexity segments (default: 20,480 tokens' worth, at least)")
     parser.add_argument("--prompts", type=int, default=50, help="prompts for greedy continuations")
+    parser.add_argument("--ppl-only", action="store_true", help="perplexity only: no continuations, no teacher forcing")
     parser.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES), metavar="NAME")
     parser.add_argument("--budget", default="1GiB", help="KV budget of the sequences-resident table")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    num_segments = args.segments or -(-20 * SEGMENT // args.context)
     print(environment(), "\n")
     model, tokenizer = load_smollm2()
     layers, kv_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
@@ -260,43 +354,48 @@ def main() -> None:
     headers = [
         "scheme",
         "block",
-        "open group's keys in fp32, per layer and head",
+        "open group's keys in fp32 (int8 where named), per layer and head",
         "sequences resident (mean)",
         "vs bf16",
         "vs fp32",
     ]
     print(markdown_table(headers, resident_rows(args.schemes, parse_memory(args.budget), layers, kv_heads)) + "\n")
-    segments, prompts = text_workload(tokenizer, args.segments, args.prompts)
+    segments, prompts = context_workload(tokenizer, args.context, num_segments, args.prompts)
 
     exact = (lambda x: x, lambda x: x)
-    base_nll, base = mean_nll(model, segments, *exact), continuations(model, prompts, *exact)
-    floor = next_token_agreement(model, prompts, base, *exact)
-    rows = [["fp32 pages", f"{4 * HEAD_DIM} + {4 * HEAD_DIM}", "2.000", "+0.00%", "100%", agreement(floor)]]
+    begin = time.perf_counter()
+    base_nll, tokens = chunked_nll(model, segments, lambda: RoundTripCache(model.config, *exact))
+    if not args.ppl_only:
+        base = continuations(model, prompts, *exact)
+        floor = next_token_agreement(model, prompts, base, *exact)
+    print(f"  fp32 pages: {time.perf_counter() - begin:.0f} s", flush=True)
+    rows = [["fp32 pages", f"{4 * HEAD_DIM} + {4 * HEAD_DIM}", "2.000", "+0.00%"]]
+    rows[0] += [] if args.ppl_only else ["100%", agreement(floor)]
     for name in args.schemes:
         begin = time.perf_counter()
         keys, values, key_bytes, value_bytes = SCHEMES[name]
         nll = mean_nll(model, segments, keys, values)
-        same = (continuations(model, prompts, keys, values) == base).all(dim=1)
         rows.append(
             [
                 name,
                 f"{key_bytes:g} + {value_bytes:g}",
                 f"{(key_bytes + value_bytes) / (4 * HEAD_DIM):.3f}",
                 f"{math.exp(nll - base_nll) - 1:+.2%}",
+            ]
+        )
+        if not args.ppl_only:
+            same = (continuations(model, prompts, keys, values) == base).all(dim=1)
+            rows[-1] += [
                 f"{same.float().mean().item():.0%} ({int(same.sum())} of {args.prompts})",
                 agreement(next_token_agreement(model, prompts, base, keys, values)),
             ]
-        )
         print(f"  {name}: {time.perf_counter() - begin:.0f} s", flush=True)
-    print(f"\nperplexity of unquantized pages {math.exp(base_nll):.4f} over {args.segments * SEGMENT:,} tokens\n")
-    headers = [
-        "scheme",
-        "bytes K + V per token and head",
-        "vs bf16",
-        "perplexity vs fp32 pages",
-        "identical",
-        "next token agrees (teacher-forced)",
-    ]
+    print(
+        f"\nperplexity of unquantized pages {math.exp(base_nll):.4f} over {tokens:,} tokens "
+        f"({num_segments} segments of {args.context:,}, fed in chunks of {CHUNK})\n"
+    )
+    headers = ["scheme", "bytes K + V per token and head", "vs bf16", "perplexity vs fp32 pages"]
+    headers += [] if args.ppl_only else ["identical", "next token agrees (teacher-forced)"]
     print(markdown_table(headers, rows))
 
 
