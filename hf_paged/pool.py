@@ -344,15 +344,19 @@ class BlockPool:
     def take_blocks(self, appends: list[tuple[BlockTable, int]], what: str | None = None, keep_free: int = 0) -> int:
         """Append `(table, num_new_tokens)` for every entry, all of them or (`PoolExhaustedError`) none, leaving at
         least `keep_free` blocks free; the copy-on-write copies are carried out in the storage before it returns.
-        Returns the number of blocks copied."""
+        Returns the number of blocks copied (the companions copied with an open block not counted)."""
         with self.lock:
             copies = self.allocator.append_all(appends, what, keep_free)
             self._follow_staging()
             self.storage.copy_blocks(copies)
-            return sum(copy.src not in self.allocator.staging.owned() for copy in copies) if copies else 0
+            if not copies or not self.allocator.staging.enabled:
+                return len(copies)
+            companions = self.allocator.staging.owned()  # copied with their open blocks: not counted
+            return sum(copy.src not in companions for copy in copies)
 
     def blocks_needed(self, appends: list[tuple[BlockTable, int]]) -> int:
-        """Free blocks `take_blocks(appends)` would use now (copy-on-write included)."""
+        """Free blocks `take_blocks(appends)` would use now (copy-on-write included; with `"int4-channel"` pages, net
+        of the companions the tables give back first, so possibly negative)."""
         return self.allocator.num_blocks_needed_for(appends)
 
     def count_prefix_reuse(self, num_tokens: int) -> None:
