@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import hf_paged
@@ -146,6 +146,7 @@ def test_the_pool_counts_the_bytes_it_holds(kv_dtype):
     softcap=st.sampled_from([None, 4.0]),
     seed=st.integers(0, 2**16),
 )
+@example(name="int4", dtype=torch.bfloat16, gqa=1, head_dim=8, lengths=[16, 17], new=1, window=5, softcap=4.0, seed=19)
 def test_cpu_kernel_reads_quantized_pages_as_dequantize_then_reference(
     name, dtype, gqa, head_dim, lengths, new, window, softcap, seed
 ):
@@ -171,8 +172,10 @@ def test_cpu_kernel_reads_quantized_pages_as_dequantize_then_reference(
     got = paged_attention(args[0], key_pages, value_pages, *args[1:], kernel="cpu", **options)
     dense_keys, dense_values = key_pages.dequantize(), value_pages.dequantize()
     expected = paged_attention(args[0], dense_keys, dense_values, *args[1:], kernel="gather", **options)
-    tolerance = 2e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=tolerance)
+    # half precision: the reference attends in the storage dtype, the kernel in fp32, so outputs of magnitude 2-4 can
+    # differ by 2 of their ulps (found by hypothesis: 0.0234 at 1.72, bf16, with a soft cap)
+    tolerance, relative = (2e-5, 0.0) if dtype == torch.float32 else (2e-2, 2.0**-6)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=relative, atol=tolerance)
     # the gather reference reads the pages themselves the same way
     gathered = paged_attention(args[0], key_pages, value_pages, *args[1:], kernel="gather", **options)
     assert torch.equal(gathered, expected)
