@@ -76,6 +76,25 @@ def test_compiled_decode_gives_the_eager_paged_tokens(family, compiler):
     assert decode.graphs == 1 and decode.disabled is None
 
 
+@pytest.mark.parametrize(
+    "family, kv_dtype, compiler",
+    [("llama", "int8", "inductor"), ("llama", "int4", "aot_eager"), ("gemma2", "int4", "inductor")],
+)
+def test_compiled_decode_over_quantized_pages_gives_the_eager_paged_tokens(family, kv_dtype, compiler):
+    # int8/int4 pages: the compiled step quantizes and reads them through the same format code as eager steps
+    model = tiny_model(family)
+    input_ids, attention_mask = left_padded_batch([9, 5, 12])
+    options = {"cache_config": {**POOL, "kv_dtype": kv_dtype}, "max_new_tokens": 14}
+    tokens, logits = generate(model, input_ids, attention_mask, **options)
+    compiled_tokens, compiled_logits = generate(model, input_ids, attention_mask, compiler, **options)
+    assert torch.equal(compiled_tokens, tokens)
+    assert largest_difference(compiled_logits, logits) < LOGIT_TOLERANCE
+    decode = hf_paged.compiled_decode_of(model)
+    assert decode.compiled_steps == 12 and decode.graphs == 1 and decode.disabled is None
+    _, unquantized_logits = generate(model, input_ids, attention_mask, max_new_tokens=14)
+    assert largest_difference(logits, unquantized_logits) > 10 * LOGIT_TOLERANCE  # the pages were quantized
+
+
 def test_negative_control_a_decode_step_that_drops_the_left_padding_changes_the_tokens(monkeypatch):
     # proves the comparison above can fail: the compiled step without each row's own length attends to pad slots
     import hf_paged.step_attention as step_attention
@@ -171,10 +190,10 @@ def test_a_model_that_does_not_pass_its_kwargs_to_attention_decodes_eagerly():
         {},  # CPU: transformers compiles only when compile_config says _compile_all_devices
         {"compile_config": CompileConfig()},
         {"compile_config": "all devices", "disable_compile": True},
-        {"compile_config": "all devices", "cache_config": {**POOL, "kv_dtype": "int8"}},  # quantized pages
+        {"compile_config": "all devices", "cache_config": {**POOL, "kv_dtype": "int4-channel", "block_size": 8}},
         {"compile_config": "all devices", "output_hidden_states": True},
     ],
-    ids=["no compile_config", "cuda only", "disable_compile", "int8 pages", "hidden states"],
+    ids=["no compile_config", "cuda only", "disable_compile", "int4-channel pages", "hidden states"],
 )
 def test_paged_generate_stays_eager_where_stock_would_not_compile_or_the_cache_cannot(options):
     model = tiny_model("llama")
@@ -271,7 +290,8 @@ def test_a_call_that_fails_mid_decode_returns_its_blocks():
     assert hf_paged.compiled_decode_of(model).compiled_steps == 3
 
 
-def test_smollm2_compiled_generate_gives_the_eager_tokens_of_the_readme_prompts(smollm2):
+@pytest.mark.parametrize("kv_dtype, compiler", [("auto", "inductor"), ("int8", "aot_eager")])
+def test_smollm2_compiled_generate_gives_the_eager_tokens_of_the_readme_prompts(smollm2, kv_dtype, compiler):
     model, tokenizer = smollm2
     questions = ["What is the capital of France?", "Name a prime number larger than 10."]
     prompts = [
@@ -279,10 +299,10 @@ def test_smollm2_compiled_generate_gives_the_eager_tokens_of_the_readme_prompts(
         for q in questions
     ]
     inputs = tokenizer(prompts, return_tensors="pt", padding=True)
-    options = {"cache_config": {"block_size": 16}, "max_new_tokens": 24}
+    options = {"cache_config": {"block_size": 16, "kv_dtype": kv_dtype}, "max_new_tokens": 24}
     tokens, logits = generate(model, inputs["input_ids"], inputs["attention_mask"], **options)
     compiled_tokens, compiled_logits = generate(
-        model, inputs["input_ids"], inputs["attention_mask"], "inductor", **options
+        model, inputs["input_ids"], inputs["attention_mask"], compiler, **options
     )
     assert torch.equal(compiled_tokens, tokens)
     assert largest_difference(compiled_logits, logits) < 1e-3
