@@ -50,9 +50,10 @@ def run_variant(
     gc.collect()
     rss_before = psutil.Process().memory_info().rss
     begin = time.perf_counter()
+    block_size = 64 if kv_dtype == "int4-channel" else 16  # the pool's defaults
     engine = hf_paged.Engine(
-        model, block_size=16, num_blocks=budget_tokens // 16, progress=False, compile=name != "eager",
-        kv_dtype=kv_dtype, **limits,
+        model, block_size=block_size, num_blocks=budget_tokens // block_size, progress=False,
+        compile=name != "eager", kv_dtype=kv_dtype, **limits,
     )  # fmt: skip
     extra = {"logprobs": 0} if logprobs else {}
     engine.generate(
@@ -109,7 +110,12 @@ def main() -> None:
         help="every request also reports its tokens' log-probabilities: the table adds the largest |difference| from "
         "the first variant's, over the tokens before each request's first different token",
     )
-    parser.add_argument("--kv-dtype", default="auto", choices=["auto", "int8", "int4"], help="how the pool stores K/V")
+    parser.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=["auto", "int8", "int4", "int4-channel"],
+        help="how the pool stores K/V (blocks of 64 for int4-channel, else 16)",
+    )
     args = parser.parse_args()
     for name in args.variants:
         if not VARIANT.match(name):

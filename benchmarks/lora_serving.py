@@ -7,11 +7,16 @@ Workload: `engine_throughput.py`'s ShareGPT-like lengths (scaled by `--scale`, c
 random token ids, greedy, every request asking for its own output length; request `i` runs on adapter `i % 8`.
 Adapters: random LoRA factors (`hf_paged.reference_models.random_lora`) of rank `--rank` on `--targets`.
 
+`--systems adapters-compiled merged-compiled` add the same two Engines with compiled steps (`compile=True`, compiled
+in a warm-up that is not timed); "vs merged" compares each Engine with the merged one of its own kind (eager or
+compiled), and the compiled adapters' row counts the requests whose tokens equal the eager Engine's.
+
 Memory: the base model's parameters plus the adapters' stacked factors (what the Engine holds), against one merged
 copy of the model per adapter (what serving each fine-tune as its own model takes).
 
 Usage: python benchmarks/lora_serving.py [--model smollm2|tiny] [--requests 64] [--adapters 8] [--rank 8]
        [--targets q_proj k_proj v_proj o_proj] [--budget-tokens 8192]
+       [--systems adapters merged peft adapters-compiled merged-compiled]
 """
 
 from __future__ import annotations
@@ -29,30 +34,41 @@ import hf_paged
 from hf_paged.reference_models import random_lora
 
 
-def run_engine(model, requests, names, adapters, budget_tokens: int, block_size: int):
-    """Every request on its adapter (`names[i]`, `None`: the model as it is), all in one Engine."""
+def run_engine(model, requests, names, adapters, budget_tokens: int, block_size: int, compiled: bool = False):
+    """Every request on its adapter (`names[i]`, `None`: the model as it is), all in one Engine: eager steps
+    (`exact=True`), or compiled ones (`compile=True`, compiled during a warm-up of two short requests per adapter
+    name used, not timed). Returns the wall time, tokens generated, adapter bytes, notes and every request's
+    tokens."""
+    options = {"compile": True} if compiled else {"exact": True}
     engine = hf_paged.Engine(
-        model,
-        block_size=block_size,
-        num_blocks=budget_tokens // block_size,
-        progress=False,
-        adapters=adapters,
-        exact=True,  # eager steps for every request, with or without an adapter: the method of docs/benchmarks.md
-    )
+        model, block_size=block_size, num_blocks=budget_tokens // block_size, progress=False, adapters=adapters,
+        **options,
+    )  # fmt: skip
+    warmup = ""
+    if compiled:
+        start = time.perf_counter()
+        for name in dict.fromkeys(names):
+            engine.generate([[5, 6, 7], [8, 9]], max_new_tokens=3, adapter=name)
+        warmup = f"; warm-up (compiling) {time.perf_counter() - start:.0f} s, {engine.runner.graphs} graph(s)"
+    steps_before, compiled_before = engine.stats().num_steps, engine.runner.compiled_steps
     start = time.perf_counter()
-    for (prompt, count), name in zip(requests, names):
+    ids = [
         engine.add_request(prompt, max_new_tokens=count, min_new_tokens=count, do_sample=False, adapter=name)
-    generated = 0
+        for (prompt, count), name in zip(requests, names)
+    ]
+    tokens = {}
     while engine.has_unfinished_requests():
-        generated += sum(len(o.token_ids) for o in engine.step() if o.finished)
+        tokens.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
     elapsed = time.perf_counter() - start
-    stats = engine.stats()
-    per_step = elapsed / max(stats.num_steps, 1) * 1e3
-    notes = f"{stats.num_steps} steps ({stats.mixed_steps} mixed), {per_step:.1f} ms/step"
+    generated = sum(len(t) for t in tokens.values())
+    num_steps = engine.stats().num_steps - steps_before
+    per_step = elapsed / max(num_steps, 1) * 1e3
+    compiled_steps = engine.runner.compiled_steps - compiled_before
+    notes = f"{num_steps} steps ({compiled_steps} compiled), {per_step:.1f} ms/step{warmup}"
     resident = engine.adapters.num_bytes
     engine.close()
     engine.adapters.close()
-    return elapsed, generated, resident, notes
+    return elapsed, generated, resident, notes, [tokens[i] for i in ids]
 
 
 def run_peft_static(model, requests, names, adapters, budget_tokens: int, pad_token_id: int = 0):
@@ -88,7 +104,7 @@ def run_peft_static(model, requests, names, adapters, budget_tokens: int, pad_to
             generated += sum(n for _, n in batch)  # the tokens requests asked for; the rest of the batch is waste
             num_batches += 1
     elapsed = time.perf_counter() - start
-    return elapsed, generated, None, f"{num_batches} batches over {len(adapters)} adapters"
+    return elapsed, generated, None, f"{num_batches} batches over {len(adapters)} adapters", None
 
 
 def merged(model, adapter):
@@ -109,7 +125,12 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--scale", type=float, default=0.125)
     parser.add_argument("--max-length", type=int, default=128)
-    parser.add_argument("--systems", nargs="+", default=["adapters", "merged", "peft"])
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        default=["adapters", "merged", "peft"],
+        choices=["adapters", "merged", "peft", "adapters-compiled", "merged-compiled"],
+    )
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -121,6 +142,7 @@ def main() -> None:
     }
     names = [f"adapter{i % args.adapters}" for i in range(len(requests))]
     base_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    merged_model = merged(model, adapters["adapter0"]) if {"merged", "merged-compiled"} & set(args.systems) else None
     systems = {
         "adapters": (
             f"Engine, {args.adapters} adapters resident",
@@ -128,13 +150,16 @@ def main() -> None:
         ),
         "merged": (
             "Engine, one adapter merged",
+            lambda: run_engine(merged_model, requests, [None] * len(requests), {}, args.budget_tokens, args.block_size),
+        ),
+        "adapters-compiled": (
+            f"Engine compiled, {args.adapters} adapters resident",
+            lambda: run_engine(model, requests, names, adapters, args.budget_tokens, args.block_size, True),
+        ),
+        "merged-compiled": (
+            "Engine compiled, one adapter merged",
             lambda: run_engine(
-                merged(model, adapters["adapter0"]),
-                requests,
-                [None] * len(requests),
-                {},
-                args.budget_tokens,
-                args.block_size,
+                merged_model, requests, [None] * len(requests), {}, args.budget_tokens, args.block_size, True
             ),
         ),
         "peft": (
@@ -143,10 +168,15 @@ def main() -> None:
         ),
     }
     runs = {title: run() for key, (title, run) in systems.items() if key in args.systems}
-    merged_rate = runs.get("Engine, one adapter merged")
+    merged_runs = {False: runs.get("Engine, one adapter merged"), True: runs.get("Engine compiled, one adapter merged")}
     peft_rate = runs.get("PEFT generate per adapter, static batches")
+    eager_tokens = runs.get(f"Engine, {args.adapters} adapters resident", (None,) * 5)[4]
     rows = []
-    for title, (elapsed, generated, adapter_bytes, notes) in runs.items():
+    for title, (elapsed, generated, adapter_bytes, notes, tokens) in runs.items():
+        merged_rate = merged_runs["compiled" in title] or merged_runs[False]
+        if "compiled" in title and tokens is not None and eager_tokens is not None and "adapters" in title:
+            same = sum(a == b for a, b in zip(tokens, eager_tokens))
+            notes += f"; {same}/{len(tokens)} requests' tokens equal the eager Engine's"
         rate = generated / elapsed
         memory = "-"
         if adapter_bytes is not None:

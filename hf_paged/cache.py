@@ -326,12 +326,14 @@ class PagedCache(BatchCache):
     def compile_decode(self, model: torch.nn.Module, max_length: int | None) -> bool:
         """Let a `generate` call of `model` compile its decode steps, its rows holding up to `max_length` tokens (the
         block tables the compiled step reads are padded to that many tokens' blocks, so every step of the call has
-        the same shapes); `None` ends it. Returns False where the steps cannot compile: pages whose keys are staged
-        (`"int4-channel"`: no compiled op seals a block yet), or an attention other than `"hf_paged"` (which reads the
-        pages itself). int8/int4 pages compile through `ops.write_kv_quantized` and `ops.paged_attention_quantized`.
-        """
+        the same shapes); `None` ends it. Returns False where the steps cannot compile: an attention other than
+        `"hf_paged"` (which reads the pages itself), or pages with keys per channel (`"int4-channel"`) off the CPU
+        (the write that fills a block decides on the host which blocks to quantize). Quantized pages compile through
+        the ops' `*_quantized` and `*_staged` variants."""
         self.decode_table_width, self._offers_compile = None, False
-        if max_length is None or self.pool.storage.stages_keys:
+        if max_length is None:
+            return False
+        if self.pool.storage.stages_keys and model.get_input_embeddings().weight.device.type != "cpu":
             return False
         if model.config._attn_implementation != ATTENTION_NAME:
             return False

@@ -5,6 +5,7 @@ check that every layer of a model attends through the step attention."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import time
 import types
@@ -42,7 +43,9 @@ def describe_error(error: BaseException) -> str:
 def fresh_function(function):
     """A copy of `function` with a code object of its own: Dynamo keeps compiled graphs (and its recompile limit)
     per code object, so each caller's graphs stay its own however many models or engines a process builds."""
-    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__)
+    return types.FunctionType(
+        function.__code__.replace(), function.__globals__, function.__name__, function.__defaults__
+    )
 
 
 def unique_graphs() -> int:
@@ -53,9 +56,19 @@ def unique_graphs() -> int:
 @contextlib.contextmanager
 def counting_graphs(owner, what: str):
     """Around a compiled call of `owner` (which has `graphs` and `compile_s`): the graphs it compiled are added to
-    `owner.graphs`, the call's seconds to `owner.compile_s` when it compiled any, in one INFO line naming `what`."""
+    `owner.graphs`, the call's seconds to `owner.compile_s` when it compiled any, in one INFO line naming `what`.
+
+    Python's cyclic garbage collector is off during the call: Dynamo traces the model's forward hooks and then builds
+    guards that look each of them up again, and a collection in between could run a finalizer that removes hooks (an
+    `AdapterSet` of an engine dropped in a reference cycle), failing the call (`IndexError` in guard building)."""
     graphs, start = unique_graphs(), time.perf_counter()
-    yield
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
     new = unique_graphs() - graphs
     if new:
         elapsed = time.perf_counter() - start

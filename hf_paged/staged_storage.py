@@ -76,6 +76,27 @@ class StagedKVStorage(KVStorage):
         self._tables = torch.full((num_blocks, 2, companions), -1, dtype=torch.int32)
         self._device_tables: dict[torch.device, torch.Tensor] = {}
 
+    @classmethod
+    def over_lane(
+        cls,
+        rows: torch.Tensor,
+        tables: torch.Tensor,
+        block_size: int,
+        num_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> StagedKVStorage:
+        """A storage of one lane (lane 0) over existing tensors, nothing copied: `rows` (`raw[lane]` of a pool's
+        storage, `[num_blocks, row_bytes]`) and its companion `tables` (`[num_blocks, 2, companions]`), as a compiled
+        step's ops receive them."""
+        storage = cls.__new__(cls)
+        KVStorage.__init__(storage, rows.shape[0], block_size, None, FORMATS["int4-channel"])
+        storage.companions, storage.value_format = tables.shape[2], FORMATS["int4"]
+        storage.raw, storage.staging, storage.layouts = {}, {}, {}
+        storage._tables, storage._device_tables = tables, {tables.device: tables}
+        storage._adopt(0, rows, StagedLayout(block_size, num_heads, head_dim), num_heads, dtype)
+        return storage
+
     # ------------------------------------------------------------------ companions
     def apply_staging(self, staging: Staging) -> None:
         """Follow the allocator's companions: the blocks whose companions changed get their rows of the tables, and
@@ -138,9 +159,13 @@ class StagedKVStorage(KVStorage):
                 f"heads x {head_dim} dims in {dtype} take {layout.companions(dtype)} companion blocks, and the pool "
                 f"was sized for {self.companions} (for the model's dtype); keep K/V in the model's dtype"
             )
-        n, b, h = self.num_blocks, self.block_size, num_heads
         with torch.inference_mode(False):
-            raw = torch.empty((n, layout.row_bytes), dtype=torch.uint8, device=device)
+            raw = torch.empty((self.num_blocks, layout.row_bytes), dtype=torch.uint8, device=device)
+        self._adopt(lane, raw, layout, num_heads, dtype)
+
+    def _adopt(self, lane: int, raw: torch.Tensor, layout: StagedLayout, num_heads: int, dtype: torch.dtype) -> None:
+        """Make `raw` lane `lane`'s rows, with its typed views."""
+        n, b, h, head_dim = self.num_blocks, self.block_size, num_heads, layout.head_dim
         codes = layout.code_bytes
         self.raw[lane], self.layouts[lane] = raw, layout
         self.keys[lane] = raw[:, :codes].view(n, b, h, head_dim // 2)
@@ -162,6 +187,10 @@ class StagedKVStorage(KVStorage):
         if lane not in self.keys or keys.dtype != self.lane_kv[lane][2] or values.dtype != keys.dtype:
             self.ensure_layer(layer_idx, keys, values)
             keys, values = keys.to(self.lane_kv[lane][2]), values.to(self.lane_kv[lane][2])
+        self.write_lane(lane, slots, keys, values)
+
+    def write_lane(self, lane: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """`write` into an allocated lane, `keys` and `values` in its dtype (`ops.write_kv_staged`)."""
         blocks, offsets = slots // self.block_size, slots % self.block_size
         codes, scales = self.value_format.quantize(values)
         self.values[lane].index_put_((blocks, offsets), codes)

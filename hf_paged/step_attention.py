@@ -45,6 +45,7 @@ from typing import NamedTuple
 import torch
 
 from .kernels import ops
+from .kv_format import FORMATS
 
 STEP_ATTENTION_NAME = "hf_paged_step"
 _calls: list[int] | None = None  # while set (eagerly, by the step runner's first step): every layer that attends
@@ -65,7 +66,8 @@ class StepTensors(NamedTuple):
     Attributes:
         kv (`tuple`): per layer, the `(key_cache, value_cache)` blocks of its lane,
             `[num_blocks, block_size, kv_heads, head_dim]`; quantized pages: `(key_codes, key_scales, value_codes,
-            value_scales)` (`hf_paged.kv_format`).
+            value_scales)` (`hf_paged.kv_format`); keys per channel (`"int4-channel"`): `(rows, stage_tables,
+            block_size)`, the lane's bytes (`StagedKVStorage.raw`), the pool's companion tables and its block size.
         slots (`tuple[torch.Tensor, ...]`): per layer group, int64 `[T]`: the slot every new token is stored in, in
             packed order.
         block_tables (`tuple[torch.Tensor, ...]`): per layer group, int32 `[rows, width]`.
@@ -74,7 +76,8 @@ class StepTensors(NamedTuple):
         group_of (`tuple[int, ...]`): the layer group of every layer.
         windows (`tuple[int | None, ...]`): the attention window of every layer (`None`: full attention).
         kernel (`str`): the `kernels.paged_attention` backend name (`"auto"`, `"cpu"`, `"gather"`, ...).
-        kv_dtype (`str`): how the pages store K/V (`"auto"`: the model's dtype; `"int8"`, `"int4"`: quantized).
+        kv_dtype (`str`): how the pages store K/V (`"auto"`: the model's dtype; `"int8"`, `"int4"`,
+            `"int4-channel"`: quantized).
     """
 
     kv: tuple
@@ -119,6 +122,10 @@ def pages_of(storage, num_layers: int) -> tuple:
     """`StepTensors.kv` of a pool's storage: per layer its K and V blocks, or their codes and scales."""
     pages = []
     for layer in range(num_layers):
+        if storage.stages_keys:
+            rows = storage.raw[storage.lane_of(layer)]
+            pages.append((rows, storage.tables_on(rows.device), storage.block_size))
+            continue
         key_cache, value_cache = storage.layer_tensors(layer)
         quantized = storage.format.quantized
         pages.append(
@@ -185,6 +192,13 @@ def step_attention_forward(
         out = ops.paged_attention(
             _packed(query), key_cache, value_cache, tables, lengths, step.query_start, scale, window, softcap, s_aux,
             step.kernel,
+        )  # fmt: skip
+    elif FORMATS[step.kv_dtype].keys_per_channel:
+        lane, stage_tables, block_size = step.kv[layer]
+        ops.write_kv_staged(lane, stage_tables, block_size, step.slots[group], _packed(key), _packed(value))
+        out = ops.paged_attention_staged(
+            _packed(query), lane, stage_tables, block_size, key.shape[1], tables, lengths, step.query_start, scale,
+            window, softcap, s_aux, step.kernel,
         )  # fmt: skip
     else:
         pages = step.kv[layer]

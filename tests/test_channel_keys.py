@@ -228,6 +228,35 @@ def test_in_place_kernels_read_full_and_open_blocks_as_the_gather_reference(back
     assert (wrong.float() - expected.float()).abs().nan_to_num(nan=float("inf")).max() > 0.1
 
 
+@pytest.mark.parametrize("kernel", ["cpu", "gather"])
+def test_the_staged_ops_write_what_the_storage_writes_and_attend_as_the_kernels_do(kernel):
+    """`ops.write_kv_staged` on a copy of a lane's rows = `StagedKVStorage.write` (a write that fills one block and
+    opens the next); `ops.paged_attention_staged` over the rows = the kernels over `StagedPages`."""
+    from hf_paged.kernels import ops
+
+    generator = torch.Generator().manual_seed(12)
+    allocator, storage = _storage(block_size=4, companions=2)
+    table = allocator.new_table()
+    _append(allocator, storage, table, *torch.randn(2, 3, 2, 8, generator=generator))
+    keys, values = torch.randn(2, 3, 2, 8, generator=generator)
+    allocator.append(table, 3)  # tokens 3-5: the write fills block 0 and opens block 1
+    storage.apply_staging(allocator.staging)
+    slots = torch.tensor([table.block_ids[p // 4] * 4 + p % 4 for p in range(3, 6)])
+    rows, tables = storage.raw[0].clone(), storage.tables_on(torch.device("cpu"))
+    storage.write(0, slots, keys, values)
+    ops.write_kv_staged(rows, tables, 4, slots, keys, values)
+    assert torch.equal(rows, storage.raw[0])  # byte for byte: codes, scales, per-channel parameters, companions
+
+    query = torch.randn(2, 4, 8, generator=generator)  # the last two tokens' queries
+    block_tables = torch.tensor([table.block_ids], dtype=torch.int32)
+    args = (block_tables, torch.tensor([6], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32), 0.35)
+    out = ops.paged_attention_staged(query, rows, tables, 4, 2, *args, None, 5.0, None, kernel)
+    expected = paged_attention(query, *storage.layer_tensors(0), *args[:3], scale=0.35, softcap=5.0, kernel=kernel)
+    assert torch.equal(out, expected)
+    torch.library.opcheck(ops.write_kv_staged, (rows.clone(), tables, 4, slots, keys, values))
+    torch.library.opcheck(ops.paged_attention_staged, (query, rows, tables, 4, 2, *args, None, 5.0, None, kernel))
+
+
 # ---------------------------------------------------------------------------------------------- generation
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3"])  # full; sliding + softcap; hybrid layer groups
 def test_greedy_generation_equals_stock_over_the_same_values(family):

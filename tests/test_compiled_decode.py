@@ -78,13 +78,20 @@ def test_compiled_decode_gives_the_eager_paged_tokens(family, compiler):
 
 @pytest.mark.parametrize(
     "family, kv_dtype, compiler",
-    [("llama", "int8", "inductor"), ("llama", "int4", "aot_eager"), ("gemma2", "int4", "inductor")],
+    [
+        ("llama", "int8", "inductor"),
+        ("llama", "int4", "aot_eager"),
+        ("gemma2", "int4", "inductor"),
+        ("llama", "int4-channel", "inductor"),
+        ("gemma2", "int4-channel", "aot_eager"),
+    ],
 )
 def test_compiled_decode_over_quantized_pages_gives_the_eager_paged_tokens(family, kv_dtype, compiler):
-    # int8/int4 pages: the compiled step quantizes and reads them through the same format code as eager steps
+    # the compiled step quantizes and reads the pages through the same format code as eager steps; int4-channel
+    # (blocks of 8 here): the decode step that fills a block quantizes its keys per channel
     model = tiny_model(family)
     input_ids, attention_mask = left_padded_batch([9, 5, 12])
-    options = {"cache_config": {**POOL, "kv_dtype": kv_dtype}, "max_new_tokens": 14}
+    options = {"cache_config": {**POOL, "kv_dtype": kv_dtype, "block_size": 8}, "max_new_tokens": 14}
     tokens, logits = generate(model, input_ids, attention_mask, **options)
     compiled_tokens, compiled_logits = generate(model, input_ids, attention_mask, compiler, **options)
     assert torch.equal(compiled_tokens, tokens)
@@ -190,10 +197,9 @@ def test_a_model_that_does_not_pass_its_kwargs_to_attention_decodes_eagerly():
         {},  # CPU: transformers compiles only when compile_config says _compile_all_devices
         {"compile_config": CompileConfig()},
         {"compile_config": "all devices", "disable_compile": True},
-        {"compile_config": "all devices", "cache_config": {**POOL, "kv_dtype": "int4-channel", "block_size": 8}},
         {"compile_config": "all devices", "output_hidden_states": True},
     ],
-    ids=["no compile_config", "cuda only", "disable_compile", "int4-channel pages", "hidden states"],
+    ids=["no compile_config", "cuda only", "disable_compile", "hidden states"],
 )
 def test_paged_generate_stays_eager_where_stock_would_not_compile_or_the_cache_cannot(options):
     model = tiny_model("llama")

@@ -4,6 +4,7 @@ with new weights; limits and bad adapters are refused clearly."""
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from peft import IA3Config, LoraConfig, get_peft_model, get_peft_model_state_dict
 
 from hf_paged import Engine
+from hf_paged.engine import step_runner
 from hf_paged.reference_models import random_lora, tiny_model
 from tests.lora_helpers import ALL_LINEAR, PeftReference, three_adapters
 
@@ -90,6 +92,133 @@ def test_mixed_adapters_in_the_same_steps_match_peft_alone(base, adapters, refer
     assert engine.adapter_counts["all"]["requests"] == 8
     assert engine.pool.stats().num_used == 0
     assert (engine.stats().preemptions > 0) == (num_blocks == 24)  # recomputed on their own adapter's blocks
+
+
+def run_phases(engine: Engine, reference: PeftReference, phases: list, seed: int = 0) -> list[int]:
+    """For each `(adapters to load, adapters to unload, names)` phase: change the engine's adapters, run 12 requests
+    over `names` to the end and check each against PEFT alone; returns the runner's graph count after each phase."""
+    graphs = []
+    for step, (load, unload, names) in enumerate(phases):
+        for name, adapter in load.items():
+            engine.load_adapter(name, adapter)
+            if name not in reference.model.peft_config:
+                reference.add(name, *adapter)
+        for name in unload:
+            engine.unload_adapter(name)
+        rng = random.Random(seed + step)
+        requests = [
+            ([rng.randrange(3, 100) for _ in range(rng.randint(1, 30))], names[i % len(names)], rng.randint(1, 14))
+            for i in range(12)
+        ]
+        outputs, _ = run_interleaved(engine, requests, arrive_every=4)
+        for output, (prompt, adapter, count) in zip(outputs, requests):
+            assert output.token_ids == reference.generate(prompt, adapter, count), (step, adapter)
+        graphs.append(engine.runner.graphs)
+    return graphs
+
+
+@pytest.mark.parametrize("compiler", ["inductor", "aot_eager"])
+def test_compiled_steps_with_mixed_adapters_match_peft_alone(base, adapters, reference, compiler, monkeypatch):
+    # inductor freezes the weights into the graph: the adapters' factors and masks must stay graph inputs
+    monkeypatch.setattr(step_runner, "COMPILE_BACKEND", compiler)
+    requests = workload(32, base.config.vocab_size, seed=4)
+    engine = Engine(
+        base, block_size=4, num_blocks=256, max_batch_size=8, max_num_batched_tokens=16, adapters=adapters,
+        compile=True,
+    )  # fmt: skip
+    outputs, steps = run_interleaved(engine, requests)
+    for output, (prompt, adapter, count) in zip(outputs, requests):
+        assert output.token_ids == reference.generate(prompt, adapter, count), (adapter, prompt)
+    assert any(len(names) == 4 for kind, names in steps if kind == "mixed")  # 3 adapters + base in one step
+    runner = engine.runner
+    assert runner.compiled_steps == runner.num_steps - 1 and runner.disabled is None  # all but the first
+    assert runner.graphs <= 2  # steps with adapters; base-only steps, if any ran
+
+
+def test_compiled_steps_compile_again_only_for_modules_no_adapter_hooked_before(base, adapters, reference, monkeypatch):
+    # loading and unloading change the stacks' width (slots x rank): a size the graph takes as an input
+    monkeypatch.setattr(step_runner, "COMPILE_BACKEND", "aot_eager")
+    engine = Engine(base, block_size=4, num_blocks=256, max_batch_size=8, adapters={"qv": adapters["qv"]}, compile=True)
+    wide = random_lora(base, seed=9, rank=16, target_modules=("q_proj", "gate_proj"))
+    graphs = run_phases(
+        engine,
+        PeftReference(base, {"qv": adapters["qv"]}),
+        [
+            ({}, (), [None]),  # the base model's graph
+            ({}, (), [None, "qv"]),  # the adapters' graph, for q_proj and v_proj
+            ({"all": adapters["all"]}, (), [None, "qv", "all"]),  # every linear layer hooked: built again
+            ({"mlp": adapters["mlp"]}, (), NAMES),  # a third slot, modules hooked already
+            ({}, ("qv",), [None, "all", "mlp"]),  # a slot freed
+            ({"wide": wide}, (), [None, "all", "wide"]),  # rank 16: every slot twice as wide
+        ],
+    )
+    assert graphs == [1, 2, 3, 3, 3, 3]
+
+
+def test_two_compiled_engines_on_one_model_apply_only_their_own_adapters(base, adapters, reference, monkeypatch):
+    # both sets hook the same modules; a compiled step hands its adapters to every hook it traces
+    monkeypatch.setattr(step_runner, "COMPILE_BACKEND", "aot_eager")
+    first = Engine(base, block_size=4, num_blocks=64, adapters={"qv": adapters["qv"]}, compile=True)
+    second = Engine(
+        base, block_size=4, num_blocks=64, adapters={"qv": adapters["qv"], "all": adapters["all"]}, compile=True
+    )
+    for engine in (first, second, first):
+        requests = [(p, a, n) for p, a, n in workload(12, base.config.vocab_size, seed=5) if a in (None, "qv")]
+        outputs, _ = run_interleaved(engine, requests)
+        for output, (prompt, adapter, count) in zip(outputs, requests):
+            assert output.token_ids == reference.generate(prompt, adapter, count), adapter
+        assert engine.runner.compiled_steps > 0
+
+
+def test_adapters_collected_while_another_engine_compiles_leave_its_steps_intact(
+    base, adapters, reference, monkeypatch
+):
+    # an engine dropped in a reference cycle is freed by the cyclic collector, whose finalizer removes its adapters'
+    # hooks; collected between Dynamo's trace of another engine's step and the guards it builds over those hooks, it
+    # failed that step (IndexError): compiled calls run with the cyclic collector off
+    thresholds = gc.get_threshold()
+
+    def backend_that_allocates(graph_module, example_inputs):
+        gc.set_threshold(1)  # the collector would run at this allocation: after the trace, before its guards
+        [[] for _ in range(100)]
+        gc.set_threshold(*thresholds)
+        return graph_module.forward
+
+    monkeypatch.setattr(step_runner, "COMPILE_BACKEND", backend_that_allocates)
+    engine = Engine(base, block_size=4, num_blocks=64, adapters={"qv": adapters["qv"]}, compile=True)
+    requests = [(p, a, n) for p, a, n in workload(8, base.config.vocab_size, seed=6) if a in (None, "qv")]
+    gc.collect()
+    gc.set_threshold(10**9)  # nothing collected before the compiled call
+    try:
+        dropped = Engine(base, block_size=4, num_blocks=16, adapters={"all": adapters["all"]}, compile=False)
+        dropped.cycle = dropped
+        del dropped
+        outputs, _ = run_interleaved(engine, requests)
+    finally:
+        gc.set_threshold(*thresholds)
+    for output, (prompt, adapter, count) in zip(outputs, requests):
+        assert output.token_ids == reference.generate(prompt, adapter, count), adapter
+    assert engine.runner.compiled_steps > 0 and engine.runner.disabled is None
+
+
+def test_negative_control_a_graph_traced_before_a_module_was_hooked_leaves_its_adapter_out(base, adapters, monkeypatch):
+    # Dynamo does not guard on a module's hooks: reusing the adapters' graph after "all" hooks new modules is wrong
+    monkeypatch.setattr(step_runner, "COMPILE_BACKEND", "aot_eager")
+    first = step_runner.StepRunner._adapted_forward
+
+    def the_first_graph_forever(self, lora):
+        if self._adapted is None:
+            return first(self, lora)
+        return self._adapted[1]
+
+    monkeypatch.setattr(step_runner.StepRunner, "_adapted_forward", the_first_graph_forever)
+    engine = Engine(base, block_size=4, num_blocks=256, max_batch_size=8, adapters={"qv": adapters["qv"]}, compile=True)
+    with pytest.raises(AssertionError, match=r"\(1, 'all'\)"):
+        run_phases(
+            engine,
+            PeftReference(base, {"qv": adapters["qv"]}),
+            [({}, (), ["qv"]), ({"all": adapters["all"]}, (), ["all"])],
+        )
 
 
 def test_seeded_sampling_matches_peft_alone(base, adapters, reference):
@@ -274,8 +403,10 @@ def test_the_base_model_outside_the_engine_is_unchanged(adapters):
     assert not hooked()  # a dropped engine leaves no hook behind
 
 
-def test_smollm2_three_adapters_and_the_base_match_peft_alone(smollm2):
+@pytest.mark.parametrize("compiled", [False, True], ids=["exact", "compiled"])
+def test_smollm2_three_adapters_and_the_base_match_peft_alone(smollm2, compiled, monkeypatch):
     model, tokenizer = smollm2
+    monkeypatch.setattr(step_runner, "COMPILE_BACKEND", "aot_eager")  # traced by Dynamo; inductor: the tiny tests
     adapters = {
         "qv": random_lora(model, seed=1, rank=8, lora_alpha=32),
         "all": random_lora(model, seed=2, rank=4, lora_alpha=16, target_modules=ALL_LINEAR),
@@ -290,9 +421,11 @@ def test_smollm2_three_adapters_and_the_base_match_peft_alone(smollm2):
         (tokenizer(prompts[i % 4], add_special_tokens=False)["input_ids"], NAMES[(i + i // 4) % 4], 6) for i in range(8)
     ]
     engine = Engine(
-        model, tokenizer, block_size=16, num_blocks=256, max_num_batched_tokens=64, adapters=adapters, exact=True
-    )
+        model, tokenizer, block_size=16, num_blocks=256, max_num_batched_tokens=64, adapters=adapters,
+        **({"compile": True} if compiled else {"exact": True}),
+    )  # fmt: skip
     outputs, steps = run_interleaved(engine, requests, arrive_every=2)
+    assert engine.runner.compiled_steps == (engine.runner.num_steps - 1 if compiled else 0)
     assert any(len(names) >= 3 for kind, names in steps if kind == "mixed")
     reference = PeftReference(model, adapters)
     for output, (prompt, adapter, count) in zip(outputs, requests):

@@ -154,9 +154,10 @@ def test_changed_weights_are_compiled_again():
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "int4-channel"])
 def test_quantized_pages_run_compiled_with_the_eager_engines_tokens(family, kv_dtype):
-    # the quantized ops write codes and scales as the eager storage does, and the kernels read them the same way
+    # the quantized ops write codes and scales as the eager storage does, and the kernels read them the same way;
+    # int4-channel: the staged write quantizes a block's keys in the step that fills it (blocks of 4 tokens here)
     model = tiny_model(family)
     batch = prompts(12)
     tokens, logprobs, _ = run(model, False, batch, kv_dtype=kv_dtype)

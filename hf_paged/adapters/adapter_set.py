@@ -7,11 +7,37 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
+from typing import NamedTuple
 
 import torch
 
 from ..errors import UnknownAdapterError
 from .lora import LoraAdapter
+
+
+class CompiledStepLora(NamedTuple):
+    """What a compiled step's forward takes for the adapters (`AdapterSet.compiled_step_lora`), as graph inputs:
+    every target module's stacked factors and the masks of the step's positions. Each module takes `tokens` (`[T,
+    slots x R]`, one row per packed position), except `row_module`, which sees only every row's last position (the
+    LM head under `logits_to_keep`) and takes `rows` (`[rows, slots x R]`)."""
+
+    factors: dict  # module path -> (A, B)
+    tokens: torch.Tensor
+    rows: torch.Tensor
+    row_module: str | None
+    adapters: AdapterSet  # whose step: the hooks of other sets on the same model add nothing
+
+
+class _CompiledStep:
+    """Where a compiled step's forward puts its `CompiledStepLora` for the adapter hooks it traces: set and cleared
+    inside the traced function, so the hooks read the function's own inputs (tensors read from an
+    object outside the graph would be guarded by identity and compiled again every step)."""
+
+    def __init__(self):
+        self.lora: CompiledStepLora | None = None  # an instance attribute from the start: graphs guard on it
+
+
+COMPILED_STEP = _CompiledStep()
 
 
 class AdapterSet:
@@ -23,7 +49,10 @@ class AdapterSet:
     `applied(...)`, `((x @ A.T) * mask) @ B.T`: `mask[t]` keeps the `R` columns of token `t`'s slot and zeroes the
     others (all of them for a base-model token). So tokens of any mix of adapters go through the same two matmuls
     per module, packed prefill and decode steps included, and a base-model token gets exactly its base output.
-    Outside `applied(...)` the hooks do nothing: the base model computes as before.
+    Outside `applied(...)` the hooks do nothing: the base model computes as before. A compiled step instead passes
+    `compiled_step_lora(...)` into its traced function, which hands it to the hooks (`COMPILED_STEP.lora`): the
+    factors and masks are then graph inputs, and the module that sees the rows is named rather than told apart by
+    its number of positions (a size the graph takes as an input, unknown while it traces).
 
     An adapter unloaded while requests still run on it leaves the set at once (new requests cannot name it; a new
     adapter may take its name) but keeps its slot, and so its weights, until `release_unused` finds no request
@@ -170,6 +199,24 @@ class AdapterSet:
         self._select = None
 
     # ------------------------------------------------------------------ the forward
+    def compiled_step_lora(
+        self, token_slots: torch.Tensor, row_slots: torch.Tensor, row_module: str | None
+    ) -> CompiledStepLora | None:
+        """The `CompiledStepLora` of a packed step whose positions have `token_slots` and whose rows `row_slots`
+        (slot `-1`: the base model); `row_module` (a module path, or `None`) is the one module that sees the rows.
+        `None` without resident adapters."""
+        select = self._select
+        if select is None or not self._stacks:
+            return None
+        device = select.device
+        return CompiledStepLora(
+            dict(self._stacks),
+            select.index_select(0, (token_slots + 1).to(device)),
+            select.index_select(0, (row_slots + 1).to(device)),
+            row_module,
+            self,
+        )
+
     @contextlib.contextmanager
     def applied(self, token_slots: torch.Tensor, row_slots: torch.Tensor) -> Iterator[None]:
         """Within this context (in this thread), a forward over the base model adds to every position of its
@@ -226,6 +273,19 @@ class AdapterSet:
 
         def add_update(module, args, output):
             adapters = owner()
+            compiled = COMPILED_STEP.lora
+            if compiled is not None:  # inside a compiled step's traced forward: its inputs
+                if compiled.adapters is not adapters:
+                    return None  # another engine's adapters on the same model
+                a, b = compiled.factors[path]
+                mask = compiled.rows if path == compiled.row_module else compiled.tokens
+                x = args[0]
+                low = x.reshape(-1, x.shape[-1]) @ a.T
+                # sizes the graph takes as inputs (positions; slots x rank): the same where they meet
+                torch._check(low.shape[0] == mask.shape[0])
+                torch._check(low.shape[1] == mask.shape[1])
+                torch._check(b.shape[1] == mask.shape[1])
+                return output.reshape(low.shape[0], -1).addmm(low * mask, b.T).view_as(output)
             masks = None if adapters is None else getattr(adapters._local, "masks", None)
             if masks is None:
                 return None

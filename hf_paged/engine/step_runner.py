@@ -5,19 +5,19 @@ the model's inputs and runs the model:
 
 - **eager** (`compile=False`, bit-exact with `generate`): the model's own forward over the engine's `BatchCache`
   under the `"hf_paged"` attention, which finds the running `ForwardBatch` through the cache.
-- **compiled** (`compile=True`): a step whose requests use no LoRA adapter runs as one packed sequence (a decode
-  step's rows one token each, a mixed step's rows one after another) through `torch.compile(fullgraph=True)` of the
-  model's forward under the `"hf_paged_step"` attention
-  (`hf_paged.step_attention`), with every paged tensor of the step passed in as `StepTensors`: the compiled region
-  takes only tensors. The sizes that change from step to step (tokens, rows, block-table width) are graph inputs
-  (`ops.mark_varying`), so one graph serves every packed step of a model; the compiled forward's outputs differ from
-  the eager one's by float rounding (inductor fuses and reorders operations). Other steps (the first, which
-  allocates the pool's tensors; steps with adapters; a stock attention's right-aligned steps, a right-aligned
-  prefill with left pads) run eagerly. Over quantized pages the write and the attention are the ops'
-  `*_quantized` variants (codes and scales). Decode steps may instead replay `DecodeGraphs` captured per batch
-  size (`capture_decode_graphs`; on CUDA through the Engine's `cuda_graphs`). Where compiling fails (no C++
-  compiler for inductor, a model that breaks the graph), one warning names the error and every later step runs
-  eagerly.
+- **compiled** (`compile=True`): a step runs as one packed sequence (a decode step's rows one token each, a mixed
+  step's rows one after another) through `torch.compile(fullgraph=True)` of the model's forward under the
+  `"hf_paged_step"` attention (`hf_paged.step_attention`), with every paged tensor of the step passed in as
+  `StepTensors`: the compiled region takes only tensors. The sizes that change from step to step (tokens, rows,
+  block-table width) are graph inputs (`ops.mark_varying`), so one graph serves every packed step of a model; the
+  compiled forward's outputs differ from the eager one's by float rounding (inductor fuses and reorders
+  operations). Steps with LoRA adapters run a compiled forward of their own, the adapters' factors and masks passed
+  in as `CompiledStepLora` (one forward per set of hooked modules: Dynamo does not guard on hooks). Other steps
+  (the first, which allocates the pool's tensors; a stock attention's right-aligned steps, a right-aligned prefill
+  with left pads) run eagerly. Over quantized pages the write and the attention are the ops' `*_quantized`
+  variants (codes and scales). Decode steps may instead replay `DecodeGraphs` captured per batch size
+  (`capture_decode_graphs`; on CUDA through the Engine's `cuda_graphs`). Where compiling fails (no C++ compiler for
+  inductor, a model that breaks the graph), one warning names the error and every later step runs eagerly.
 
 Inductor keeps its generated kernels in its on-disk caches (`TORCHINDUCTOR_CACHE_DIR`); a frozen graph is still
 traced and frozen again in every process (about a minute for SmolLM2-135M on 2 CPU cores, docs/benchmarks.md).
@@ -34,6 +34,7 @@ import warnings
 
 import torch
 
+from ..adapters.adapter_set import COMPILED_STEP, CompiledStepLora
 from ..compiling import (
     COMPILE_ERRORS,
     FIRST_STEP_ERRORS,
@@ -196,6 +197,8 @@ class StepRunner:
         self.disabled: str | None = None
         self.python_host_code: str | None = None  # why compiling with C++ host code failed (then Python's is used)
         self._compiled = None
+        self._adapted: tuple[frozenset, object] | None = None  # (modules hooked, compiled forward): `_adapted_forward`
+        self._head: tuple | None = None  # (LM head module, its path): `_row_module`
         self._weights: bytes = b""  # the weights the compiled forward folded in (`_weights_key`)
         self._checked = False  # a first step ran eagerly under the step attention and every layer attended once
         self.decode_graphs: DecodeGraphs | None = None
@@ -253,17 +256,15 @@ class StepRunner:
 
     def _compiles(self, step, implementation: str) -> bool:
         """Whether `step` runs compiled: compiling is on and has not failed, the step is packed under the
-        `"hf_paged"` attention, its requests use no adapter, and every layer's pages are allocated (quantized pages
-        too: `ops.write_kv_quantized`)."""
+        `"hf_paged"` attention, and every layer's pages are allocated (quantized pages too: `ops.write_kv_quantized`;
+        requests with LoRA adapters too: `AdapterSet.compiled_step_lora`)."""
         wanted = self.compile or self._graph_options is not None
         if not wanted or self.disabled is not None or implementation != ATTENTION_NAME or self.model.training:
             return False
         if not _packable(step):
             return False
-        if any(request.adapter is not None for request in step.requests):
-            return False
         storage = self.cache.pool.storage
-        if storage.stages_keys:  # no compiled op reads per-channel keys yet: eager steps
+        if storage.stages_keys and self.device.type != "cpu":  # the write that fills a block syncs: CPU steps
             return False
         if not all(layer.is_initialized for layer in self.cache.layers):
             return False
@@ -280,9 +281,16 @@ class StepRunner:
         tensors = StepTensors.of_batch(self.cache, query_start, self.device)
         ops.mark_varying((input_ids, (1,)), (position_ids, (1,)), (last, (0,)), *tensors.varying())
         register_step_attention()
+        adapted = any(request.adapter is not None for request in step.requests)
         with torch.inference_mode(), attention_implementation(self.model, STEP_ATTENTION_NAME):
             if not self._checked:
-                logits = self._first_step(input_ids, position_ids, last, tensors)
+                with self._adapters_applied(step, input_ids.shape[1]):
+                    logits = self._first_step(input_ids, position_ids, last, tensors)
+            elif adapted:  # no decode graph holds the adapters' masks
+                if not self.compile:
+                    return None
+                lora = self._compiled_step_lora(step)
+                logits = self._run_compiled(input_ids, position_ids, last, tensors, lora)
             elif self._replays(tensors):
                 logits = self.decode_graphs.run(input_ids, position_ids, tensors)
                 self.graph_steps += 1
@@ -350,11 +358,20 @@ class StepRunner:
 
     def _build(self) -> None:
         """A new compiled forward for the model's weights as they are now (inductor's freezing folds them into the
-        graph, as packed constants: the oneDNN layouts its CPU matmuls read fastest)."""
-        self._compiled = torch.compile(
-            fresh_function(_run_model), backend=COMPILE_BACKEND, fullgraph=True, dynamic=False
-        )
+        graph, as packed constants: the oneDNN layouts its CPU matmuls read fastest); steps with adapters get theirs
+        at their next step."""
+        self._compiled = _compiled_run_model()
+        self._adapted = None
         self._weights = self._weights_key()
+
+    def _adapted_forward(self, lora: CompiledStepLora):
+        """The compiled forward of steps with adapters: one for the modules the resident adapters hook, built again
+        when they change (Dynamo does not guard on a module's hooks: a graph traced before a module was hooked would
+        leave its adapter out)."""
+        targets = frozenset(lora.factors)
+        if self._adapted is None or self._adapted[0] != targets:
+            self._adapted = (targets, _compiled_run_model())
+        return self._adapted[1]
 
     def _inductor_settings(self):
         """Inductor's settings for the step forward, read while it compiles, inside the call (torch.compile's
@@ -371,7 +388,7 @@ class StepRunner:
         planner = self.cache.planner
         return planner.root if planner.prefix_caching else prefix_namespace(self.model)
 
-    def _run_compiled(self, input_ids, position_ids, last, tensors) -> torch.Tensor | None:
+    def _run_compiled(self, input_ids, position_ids, last, tensors, lora=None) -> torch.Tensor | None:
         """The compiled forward's logits, or `None` after a compile error (compiling is then disabled, with one
         warning)."""
         if self._weights_key() != self._weights:  # trained, merged, edited or replaced since it was compiled
@@ -379,7 +396,8 @@ class StepRunner:
             self._build()
         try:
             with self._inductor_settings(), counting_graphs(self, "the Engine's step forward"):
-                logits = self._compiled(self.model, self.keep_last_logits, input_ids, position_ids, last, tensors)
+                forward = self._compiled if lora is None else self._adapted_forward(lora)
+                logits = forward(self.model, self.keep_last_logits, input_ids, position_ids, last, tensors, lora)
         except COMPILE_ERRORS as error:
             if not self._cpp_wrapper():
                 return self._disable(describe_error(error))
@@ -391,7 +409,7 @@ class StepRunner:
                 self.python_host_code,
             )
             self._build()
-            return self._run_compiled(input_ids, position_ids, last, tensors)
+            return self._run_compiled(input_ids, position_ids, last, tensors, lora)
         return logits
 
     def _disable(self, reason: str) -> None:
@@ -418,6 +436,29 @@ class StepRunner:
         repeats = step.new_tokens if step.batch.packed is not None else [width] * len(rows)
         tokens = [slot for slot, count in zip(rows, repeats) for _ in range(count)]
         return self.adapters.applied(torch.tensor(tokens), torch.tensor(rows))
+
+    def _compiled_step_lora(self, step) -> CompiledStepLora | None:
+        """The adapters' inputs of a compiled packed step (`AdapterSet.compiled_step_lora`): masks of one row per
+        new token, and per request for the LM head under `logits_to_keep`. Their lengths vary from step to step and
+        the stacks' width (slots x rank) from one adapter load to the next: all marked varying, so loading or
+        unloading an adapter compiles nothing again unless it hooks a module none hooked before."""
+        rows = [-1 if r.adapter is None else self.adapters.slot_of(r.adapter) for r in step.requests]
+        tokens = [slot for slot, count in zip(rows, step.new_tokens) for _ in range(count)]
+        lora = self.adapters.compiled_step_lora(torch.tensor(tokens), torch.tensor(rows), self._row_module())
+        if lora is not None:
+            widths = [dims for a, b in lora.factors.values() for dims in ((a, (0,)), (b, (1,)))]
+            ops.mark_varying((lora.tokens, (0, 1)), (lora.rows, (0, 1)), *widths)
+        return lora
+
+    def _row_module(self) -> str | None:
+        """The path of the module that sees only every row's last position in a compiled step: the LM head, under
+        `logits_to_keep` (found once per head module)."""
+        head = self.model.get_output_embeddings() if self.keep_last_logits else None
+        if head is None:
+            return None
+        if self._head is None or self._head[0] is not head:
+            self._head = (head, next((name for name, module in self.model.named_modules() if module is head), None))
+        return self._head[1]
 
     def _packed_inputs(self, step) -> dict[str, torch.Tensor]:
         """`input_ids` and `position_ids` (`[1, T]`) of a packed step: every request's new tokens one after another,
@@ -449,8 +490,25 @@ class StepRunner:
         return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
 
 
-def _run_model(model, keep_last_logits: bool, input_ids, position_ids, last, tensors: StepTensors) -> torch.Tensor:
-    """The model's forward over a packed step under the step attention: logits of the tokens `last` names."""
+def _compiled_run_model():
+    """A new `torch.compile` of `_run_model` (a fresh function: graphs of its own)."""
+    return torch.compile(fresh_function(_run_model), backend=COMPILE_BACKEND, fullgraph=True, dynamic=False)
+
+
+def _run_model(
+    model, keep_last_logits: bool, input_ids, position_ids, last, tensors: StepTensors, lora=None
+) -> torch.Tensor:
+    """The model's forward over a packed step under the step attention: logits of the tokens `last` names. `lora`
+    (`CompiledStepLora`, compiled steps only): the adapters' factors and masks, handed to their hooks."""
+    if lora is None:
+        return _forward(model, keep_last_logits, input_ids, position_ids, last, tensors)
+    COMPILED_STEP.lora = lora
+    logits = _forward(model, keep_last_logits, input_ids, position_ids, last, tensors)
+    COMPILED_STEP.lora = None
+    return logits
+
+
+def _forward(model, keep_last_logits: bool, input_ids, position_ids, last, tensors: StepTensors) -> torch.Tensor:
     if keep_last_logits:
         output = model.forward(
             input_ids=input_ids, position_ids=position_ids, logits_to_keep=last, use_cache=False, hf_paged_step=tensors

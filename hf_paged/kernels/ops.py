@@ -6,7 +6,10 @@
 graph break at the attention (the CPU kernel is a ctypes call, which Dynamo cannot trace) and no recompilation when
 the number of tokens changes (see `mark_varying`). Quantized pages (`kv_dtype="int8"`/`"int4"`) have ops of their
 own, `paged_attention_quantized` and `write_kv_quantized`, which take each cache as its codes and scales and the
-format's name (the same quantization and kernels as eager steps). Importing this module registers the ops.
+format's name (the same quantization and kernels as eager steps). Pages with keys per channel (`"int4-channel"`)
+have `paged_attention_staged` and `write_kv_staged`, which take a layer's lane as its one byte tensor of rows with
+the pool's companion tables and read it through `StagedKVStorage.over_lane` (CPU steps: the write that fills a block
+decides on the host which blocks to quantize). Importing this module registers the ops.
 
 Example:
 
@@ -30,9 +33,18 @@ Example:
 import torch
 
 from ..kv_format import QuantizedPages, kv_format
+from ..staged_storage import StagedKVStorage, StagedPages
 from . import paged_attention as dispatch
 
-__all__ = ["mark_varying", "paged_attention", "paged_attention_quantized", "write_kv", "write_kv_quantized"]
+__all__ = [
+    "mark_varying",
+    "paged_attention",
+    "paged_attention_quantized",
+    "paged_attention_staged",
+    "write_kv",
+    "write_kv_quantized",
+    "write_kv_staged",
+]
 
 
 # Defined with the low-level `torch.library.Library` API rather than `torch.library.custom_op`: the latter wraps every
@@ -55,6 +67,16 @@ _LIBRARY.define(
 _LIBRARY.define(
     "write_kv_quantized(Tensor(a!) key_codes, Tensor(b!) key_scales, Tensor(c!) value_codes, Tensor(d!) value_scales, "
     "Tensor slots, Tensor keys, Tensor values, str kv_dtype) -> ()"
+)
+
+_LIBRARY.define(
+    "paged_attention_staged(Tensor query, Tensor rows, Tensor stage_tables, int block_size, int kv_heads, "
+    "Tensor block_tables, Tensor seq_lens, Tensor query_start, float scale, int? window=None, float? softcap=None, "
+    "Tensor? sinks=None, str backend='auto') -> Tensor"
+)
+_LIBRARY.define(
+    "write_kv_staged(Tensor(a!) rows, Tensor stage_tables, int block_size, Tensor slots, Tensor keys, Tensor values) "
+    "-> ()"
 )
 
 
@@ -109,10 +131,34 @@ def _write_kv_quantized(key_codes, key_scales, value_codes, value_scales, slots,
     fmt.store(values, value_codes, value_scales, slots)
 
 
+def _paged_attention_staged(
+    query, rows, stage_tables, block_size, kv_heads, block_tables, seq_lens, query_start, scale, window=None,
+    softcap=None, sinks=None, backend="auto",
+):  # fmt: skip
+    """`hf_paged::paged_attention` over pages with keys per channel: `rows` is the layer's lane
+    (`StagedKVStorage.raw[lane]`, keys in `query`'s dtype while staged) and `stage_tables` the pool's companion
+    tables, read as `StagedPages`."""
+    storage = StagedKVStorage.over_lane(rows, stage_tables, block_size, kv_heads, query.shape[-1], query.dtype)
+    key_cache, value_cache = StagedPages(storage, 0, "keys"), StagedPages(storage, 0, "values")
+    return _paged_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start, scale, window, softcap, sinks, backend
+    )
+
+
+def _write_kv_staged(rows, stage_tables, block_size, slots, keys, values) -> None:
+    """`hf_paged::write_kv` into pages with keys per channel (`StagedKVStorage.write_lane`: values quantized, keys
+    into their open block's companions, the keys of every block the write fills quantized per channel)."""
+    _, heads, head_dim = keys.shape
+    storage = StagedKVStorage.over_lane(rows, stage_tables, block_size, heads, head_dim, keys.dtype)
+    storage.write_lane(0, slots, keys, values.to(keys.dtype))
+
+
 _LIBRARY.impl("paged_attention", _paged_attention, "CompositeExplicitAutograd")
 _LIBRARY.impl("write_kv", _write_kv, "CompositeExplicitAutograd")
 _LIBRARY.impl("paged_attention_quantized", _paged_attention_quantized, "CompositeExplicitAutograd")
 _LIBRARY.impl("write_kv_quantized", _write_kv_quantized, "CompositeExplicitAutograd")
+_LIBRARY.impl("paged_attention_staged", _paged_attention_staged, "CompositeExplicitAutograd")
+_LIBRARY.impl("write_kv_staged", _write_kv_staged, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("hf_paged::paged_attention", lib=_LIBRARY)
@@ -141,10 +187,25 @@ def _(key_codes, key_scales, value_codes, value_scales, slots, keys, values, kv_
     return None
 
 
+@torch.library.register_fake("hf_paged::paged_attention_staged", lib=_LIBRARY)
+def _(
+    query, rows, stage_tables, block_size, kv_heads, block_tables, seq_lens, query_start, scale, window=None,
+    softcap=None, sinks=None, backend="auto",
+):  # fmt: skip
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("hf_paged::write_kv_staged", lib=_LIBRARY)
+def _(rows, stage_tables, block_size, slots, keys, values) -> None:
+    return None
+
+
 paged_attention = torch.ops.hf_paged.paged_attention.default
 write_kv = torch.ops.hf_paged.write_kv.default
 paged_attention_quantized = torch.ops.hf_paged.paged_attention_quantized.default
 write_kv_quantized = torch.ops.hf_paged.write_kv_quantized.default
+paged_attention_staged = torch.ops.hf_paged.paged_attention_staged.default
+write_kv_staged = torch.ops.hf_paged.write_kv_staged.default
 
 
 def mark_varying(*tensor_dims: tuple[torch.Tensor, tuple[int, ...]]) -> None:
