@@ -233,7 +233,7 @@ class BlockAllocator:
             # every copy is open when made (it takes companions too)
             total += (1 + companions) * sum(min(k, self._ref_counts[b] - 1) for b, k in writers.items())
             if companions:  # the companions of blocks the tables filled last time are given back first
-                total -= sum(len(cs) for owner, cs in self.staging.sealing.values() if owner in released)
+                total -= len(self.staging.sealing_companions(released))
             return total  # negative when more companions come back than the appends take
 
     def _needs_copy_on_write(self, block_id: int) -> bool:
@@ -357,7 +357,7 @@ class BlockAllocator:
             if reopens:
                 freed = [b for b in dropped if self._ref_counts[b] == 1]
                 freed += [c for b in freed for c in self.staging.companions_of(b) or ()]
-                freed += [c for owner, cs in self.staging.sealing.values() if owner == table.table_id for c in cs]
+                freed += self.staging.sealing_companions((table.table_id,))
                 if self.num_free + len(freed) < self.staging.per_open_block:
                     raise PoolExhaustedError(
                         self.staging.per_open_block,

@@ -22,8 +22,8 @@ with its new weights, as stock's compiled `StaticCache` does. The first step of 
 through the same path and checks that every layer attended once; a model that does not route every layer through the
 registered attention, or a compile error, turns compiled decoding off with one warning (the steps then run as the
 eager paged call would). A step the compiled path does not take (extra model inputs, attention weights or hidden
-states asked for, `"int4-channel"` pages, training mode) runs eagerly. int8/int4 pages compile: the step's
-`write_kv_quantized`/`paged_attention_quantized` ops quantize and read them with the eager path's format code.
+states asked for, training mode; `"int4-channel"` pages off the CPU) runs eagerly. Quantized pages compile: the
+step's `*_quantized`/`*_staged` ops quantize and read them with the eager path's format code.
 """
 
 from __future__ import annotations

@@ -394,8 +394,8 @@ def _compiled_decode_scope():
 
 def _decide_compiled_decode(model, cache: PagedCache, generation_config, model_kwargs, generation_mode, max_length):
     """Let `cache`'s decode steps compile where transformers would compile a `StaticCache`'s (its own criteria: the
-    device, `compile_config`, `disable_compile`, the quantizer, offloading) and the cache can (pages other than
-    `"int4-channel"`, under the `"hf_paged"` attention); greedy and sampling calls only (transformers compiles no
+    device, `compile_config`, `disable_compile`, the quantizer, offloading) and the cache can (under the `"hf_paged"`
+    attention; `"int4-channel"` pages on the CPU only); greedy and sampling calls only (transformers compiles no
     other decoding loop), never an assistant's."""
     if generation_mode not in _MODES_THAT_COMPILE or generation_config.is_assistant:
         return

@@ -57,6 +57,10 @@ class Staging:
             self.sealing[block_id] = (table_id, companions)
             self.changed.add(block_id)
 
+    def sealing_companions(self, table_ids) -> list[int]:
+        """The companions the last appends of tables `table_ids` (a container of table ids) left to give back."""
+        return [c for owner, companions in self.sealing.values() if owner in table_ids for c in companions]
+
     def sealed_by(self, table_id: int) -> list[int]:
         """Forget the blocks `table_id` filled; returns their companions (to give back)."""
         blocks = [block for block, (owner, _) in self.sealing.items() if owner == table_id]

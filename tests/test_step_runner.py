@@ -212,8 +212,9 @@ def test_the_default_engine_compiles_its_steps_where_a_compiler_works(backend):
         ({"exact": True}, "exact=True"),
         ({"cpu_linear": "onednn"}, "cpu_linear='onednn'"),
         ({}, "inductor finds no C++ compiler"),
+        ({"kv_dtype": "int4-channel"}, "kv_dtype='int4-channel' (compiled steps measured no faster there"),
     ],
-    ids=["exact", "packed-linears", "no-compiler"],
+    ids=["exact", "packed-linears", "no-compiler", "int4-channel"],
 )
 def test_auto_runs_eager_steps_where_compiled_ones_cannot_and_says_why(options, reason, monkeypatch, caplog):
     from hf_paged.cpu_linear import onednn_available
@@ -293,6 +294,20 @@ def test_serve_compiles_at_start_up_and_leaves_the_pool_empty(backend):
     assert engine.runner.graphs == 1 and engine.runner.compiled_steps >= 1
     assert not engine.has_unfinished_requests()
     assert engine.pool.stats().num_used == 0  # the warm-up requests gave their blocks back
+
+
+def test_serve_with_lora_adapters_compiles_their_steps_at_start_up_too(backend):
+    from hf_paged.reference_models import random_lora
+    from hf_paged.serve.cli import _compile_now
+
+    model = tiny_model("llama")
+    adapters = {"a": random_lora(model, seed=1), "b": random_lora(model, seed=2)}
+    engine = hf_paged.Engine(model, block_size=4, num_blocks=64, compile=True, adapters=adapters)
+    _compile_now(engine)
+    assert engine.runner.graphs == 2  # the base model's steps, and steps with adapters
+    graphs = engine.runner.graphs
+    engine.generate([[5, 6, 7]], max_new_tokens=4, adapter="b")
+    assert engine.runner.graphs == graphs and engine.pool.stats().num_used == 0
 
 
 def test_compiled_steps_under_preemption_prefix_reuse_and_sampling_give_the_eager_tokens(backend):

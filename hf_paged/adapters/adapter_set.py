@@ -13,6 +13,7 @@ import torch
 
 from ..errors import UnknownAdapterError
 from .lora import LoraAdapter
+from .ops import lora_delta
 
 
 class CompiledStepLora(NamedTuple):
@@ -280,12 +281,7 @@ class AdapterSet:
                 a, b = compiled.factors[path]
                 mask = compiled.rows if path == compiled.row_module else compiled.tokens
                 x = args[0]
-                low = x.reshape(-1, x.shape[-1]) @ a.T
-                # sizes the graph takes as inputs (positions; slots x rank): the same where they meet
-                torch._check(low.shape[0] == mask.shape[0])
-                torch._check(low.shape[1] == mask.shape[1])
-                torch._check(b.shape[1] == mask.shape[1])
-                return output.reshape(low.shape[0], -1).addmm(low * mask, b.T).view_as(output)
+                return output + lora_delta(x.reshape(-1, x.shape[-1]), a, b, mask).view_as(output)
             masks = None if adapters is None else getattr(adapters._local, "masks", None)
             if masks is None:
                 return None

@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the engine's steps through torch.compile (inductor; compiled at start-up, about a minute for a "
         "135M model on 2 CPU cores): 1.3-1.6x the tokens/s of eager steps on a CPU, outputs differ from eager "
         "generate by float rounding. Default: compiled where it can run (no --exact, --cpu-linear stock, --tp 1, "
-        "the CPU, a C++ compiler), eager otherwise",
+        "the CPU, a C++ compiler) and is faster (not with --kv-dtype int4-channel), eager otherwise",
     )
     serve.add_argument(
         "--cuda-graphs",
@@ -427,10 +427,13 @@ def _check_cuda_graphs(device: str | None) -> None:
 
 def _compile_now(engine) -> None:
     """Compile the engine's steps before the first request: two short requests of one token, generated to a few
-    tokens (the first step runs eagerly, the next ones compile; the runner logs the compile time)."""
+    tokens (the first step runs eagerly, the next ones compile; the runner logs the compile time), then the same on
+    the first LoRA adapter loaded (steps with adapters compile a forward of their own)."""
     logger.info("hf_paged: compiling the engine's steps before serving (about a minute for a 135M model on 2 CPU "
-                "cores; --exact or --no-compile serve eager steps without compiling)")  # fmt: skip
+                "cores, minutes more with --lora; --exact or --no-compile serve eager steps uncompiled)")  # fmt: skip
     engine.generate([[engine.pad_token_id]] * 2, max_new_tokens=3)
+    for adapter in engine.adapters.names[:1]:
+        engine.generate([[engine.pad_token_id]] * 2, max_new_tokens=3, adapter=adapter)
 
 
 def _check_kernel(name: str, device: str | None, block_size: int | str) -> None:
