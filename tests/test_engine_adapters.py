@@ -135,6 +135,23 @@ def test_compiled_steps_with_mixed_adapters_match_peft_alone(base, adapters, ref
     assert runner.graphs <= 2  # steps with adapters; base-only steps, if any ran
 
 
+@pytest.mark.parametrize("family", ["gemma2", "qwen3"])  # sliding and full layer groups; q/k norms
+def test_compiled_steps_with_adapters_match_peft_alone_on_other_families(family, monkeypatch):
+    monkeypatch.setattr(step_runner, "COMPILE_BACKEND", "aot_eager")
+    model = tiny_model(family)
+    adapters = three_adapters(model)
+    requests = workload(16, model.config.vocab_size, seed=7)
+    engine = Engine(
+        model, block_size=4, num_blocks=256, max_batch_size=8, max_num_batched_tokens=16, adapters=adapters,
+        compile=True,
+    )  # fmt: skip
+    outputs, _ = run_interleaved(engine, requests)
+    reference = PeftReference(model, adapters)
+    for output, (prompt, adapter, count) in zip(outputs, requests):
+        assert output.token_ids == reference.generate(prompt, adapter, count), (adapter, prompt)
+    assert engine.runner.compiled_steps == engine.runner.num_steps - 1 and engine.runner.disabled is None
+
+
 def test_compiled_steps_compile_again_only_for_modules_no_adapter_hooked_before(base, adapters, reference, monkeypatch):
     # loading and unloading change the stacks' width (slots x rank): a size the graph takes as an input
     monkeypatch.setattr(step_runner, "COMPILE_BACKEND", "aot_eager")
