@@ -31,6 +31,7 @@ class StagedKVStorage(KVStorage):
         num_blocks, block_size, layer_lanes: as `KVStorage`.
         kv_format (`KVFormat`): a format with `keys_per_channel`.
         companions (`int`): companion blocks of an open block (the allocator's).
+        tables (`torch.Tensor`, *optional*): companion tables to use (`over_lane`); new ones, all -1, by default.
 
     Example:
 
@@ -66,6 +67,7 @@ class StagedKVStorage(KVStorage):
         layer_lanes: tuple[int, ...] | None = None,
         kv_format: KVFormat | None = None,
         companions: int = 1,
+        tables: torch.Tensor | None = None,
     ):
         super().__init__(num_blocks, block_size, layer_lanes, kv_format or FORMATS["int4-channel"])
         self.companions = companions
@@ -73,7 +75,9 @@ class StagedKVStorage(KVStorage):
         self.raw: dict[int, torch.Tensor] = {}
         self.staging: dict[int, torch.Tensor] = {}
         self.layouts: dict[int, StagedLayout] = {}
-        self._tables = torch.full((num_blocks, 2, companions), -1, dtype=torch.int32)
+        if tables is None:
+            tables = torch.full((num_blocks, 2, companions), -1, dtype=torch.int32)
+        self._tables = tables
         self._device_tables: dict[torch.device, torch.Tensor] = {}
 
     @classmethod
@@ -89,11 +93,7 @@ class StagedKVStorage(KVStorage):
         """A storage of one lane (lane 0) over existing tensors, nothing copied: `rows` (`raw[lane]` of a pool's
         storage, `[num_blocks, row_bytes]`) and its companion `tables` (`[num_blocks, 2, companions]`), as a compiled
         step's ops receive them."""
-        storage = cls.__new__(cls)
-        KVStorage.__init__(storage, rows.shape[0], block_size, None, FORMATS["int4-channel"])
-        storage.companions, storage.value_format = tables.shape[2], FORMATS["int4"]
-        storage.raw, storage.staging, storage.layouts = {}, {}, {}
-        storage._tables, storage._device_tables = tables, {tables.device: tables}
+        storage = cls(rows.shape[0], block_size, companions=tables.shape[2], tables=tables)
         storage._adopt(0, rows, StagedLayout(block_size, num_heads, head_dim), num_heads, dtype)
         return storage
 

@@ -117,18 +117,24 @@ def run_phases(engine: Engine, reference: PeftReference, phases: list, seed: int
     return graphs
 
 
-@pytest.mark.parametrize("compiler", ["inductor", "aot_eager"])
-def test_compiled_steps_with_mixed_adapters_match_peft_alone(base, adapters, reference, compiler, monkeypatch):
-    # inductor freezes the weights into the graph: the adapters' factors and masks must stay graph inputs
-    monkeypatch.setattr(step_runner, "COMPILE_BACKEND", compiler)
-    requests = workload(32, base.config.vocab_size, seed=4)
+def run_compiled_against_peft(model, adapters, reference: PeftReference, requests: list) -> tuple[Engine, list]:
+    """Run `requests` interleaved through a compiled Engine serving `adapters`, check every request's tokens against
+    PEFT alone; returns the engine and its steps (`run_interleaved`)."""
     engine = Engine(
-        base, block_size=4, num_blocks=256, max_batch_size=8, max_num_batched_tokens=16, adapters=adapters,
+        model, block_size=4, num_blocks=256, max_batch_size=8, max_num_batched_tokens=16, adapters=adapters,
         compile=True,
     )  # fmt: skip
     outputs, steps = run_interleaved(engine, requests)
     for output, (prompt, adapter, count) in zip(outputs, requests):
         assert output.token_ids == reference.generate(prompt, adapter, count), (adapter, prompt)
+    return engine, steps
+
+
+@pytest.mark.parametrize("compiler", ["inductor", "aot_eager"])
+def test_compiled_steps_with_mixed_adapters_match_peft_alone(base, adapters, reference, compiler, monkeypatch):
+    # inductor freezes the weights into the graph: the adapters' factors and masks must stay graph inputs
+    monkeypatch.setattr(step_runner, "COMPILE_BACKEND", compiler)
+    engine, steps = run_compiled_against_peft(base, adapters, reference, workload(32, base.config.vocab_size, seed=4))
     assert any(len(names) == 4 for kind, names in steps if kind == "mixed")  # 3 adapters + base in one step
     runner = engine.runner
     assert runner.compiled_steps == runner.num_steps - 1 and runner.disabled is None  # all but the first
@@ -140,15 +146,8 @@ def test_compiled_steps_with_adapters_match_peft_alone_on_other_families(family,
     monkeypatch.setattr(step_runner, "COMPILE_BACKEND", "aot_eager")
     model = tiny_model(family)
     adapters = three_adapters(model)
-    requests = workload(16, model.config.vocab_size, seed=7)
-    engine = Engine(
-        model, block_size=4, num_blocks=256, max_batch_size=8, max_num_batched_tokens=16, adapters=adapters,
-        compile=True,
-    )  # fmt: skip
-    outputs, _ = run_interleaved(engine, requests)
     reference = PeftReference(model, adapters)
-    for output, (prompt, adapter, count) in zip(outputs, requests):
-        assert output.token_ids == reference.generate(prompt, adapter, count), (adapter, prompt)
+    engine, _ = run_compiled_against_peft(model, adapters, reference, workload(16, model.config.vocab_size, seed=7))
     assert engine.runner.compiled_steps == engine.runner.num_steps - 1 and engine.runner.disabled is None
 
 

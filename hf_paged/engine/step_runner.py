@@ -435,19 +435,22 @@ class StepRunner:
             return contextlib.nullcontext()
         if all(request.adapter is None for request in step.requests):
             return contextlib.nullcontext()  # the base model's tokens only: nothing to add
+        repeats = step.new_tokens if step.batch.packed is not None else [width] * len(step.requests)
+        return self.adapters.applied(*self._adapter_slots(step, repeats))
+
+    def _adapter_slots(self, step, repeats: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every input position's adapter slot (request `i`'s slot `repeats[i]` times) and every row's (`-1`: the
+        base model)."""
         rows = [-1 if r.adapter is None else self.adapters.slot_of(r.adapter) for r in step.requests]
-        repeats = step.new_tokens if step.batch.packed is not None else [width] * len(rows)
         tokens = [slot for slot, count in zip(rows, repeats) for _ in range(count)]
-        return self.adapters.applied(torch.tensor(tokens), torch.tensor(rows))
+        return torch.tensor(tokens), torch.tensor(rows)
 
     def _compiled_step_lora(self, step) -> CompiledStepLora | None:
         """The adapters' inputs of a compiled packed step (`AdapterSet.compiled_step_lora`): masks of one row per
         new token, and per request for the LM head under `logits_to_keep`. Their lengths vary from step to step and
         the stacks' width (slots x rank) from one adapter load to the next: all marked varying, so loading or
         unloading an adapter compiles nothing again unless it hooks a module none hooked before."""
-        rows = [-1 if r.adapter is None else self.adapters.slot_of(r.adapter) for r in step.requests]
-        tokens = [slot for slot, count in zip(rows, step.new_tokens) for _ in range(count)]
-        lora = self.adapters.compiled_step_lora(torch.tensor(tokens), torch.tensor(rows), self._row_module())
+        lora = self.adapters.compiled_step_lora(*self._adapter_slots(step, step.new_tokens), self._row_module())
         if lora is not None:
             widths = [dims for a, b in lora.factors.values() for dims in ((a, (0,)), (b, (1,)))]
             ops.mark_varying((lora.tokens, (0, 1)), (lora.rows, (0, 1)), *widths)
