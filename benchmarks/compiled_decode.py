@@ -10,7 +10,11 @@ shows the median step and the graphs each compiled cache built. `--in-process` r
 instead, as a program calling `generate` on varied shapes does: the paged cache keeps its one graph, while
 transformers' compiled `StaticCache` recompiles with dynamic sizes (measured far slower at batch 8 on this CPU).
 
+`--kv-dtype int8` (or `int4`, `int4-channel`) runs both paged caches over quantized pages: "tokens equal" then compares
+compiled quantized tokens with eager quantized ones, which may differ where a compiled K/V rounds to another code.
+
 Usage: python benchmarks/compiled_decode.py [--models smollm2] [--contexts 128 1024 2048 4096] [--batches 1 8]
+       [--kv-dtype auto]
 """
 
 from __future__ import annotations
@@ -50,8 +54,9 @@ def compile_config() -> CompileConfig:
     return config
 
 
-def caches(pool_memory: str) -> dict[str, dict]:
-    paged = {"cache_implementation": "paged", "cache_config": {"max_memory": pool_memory}}
+def caches(pool_memory: str, kv_dtype: str = "auto") -> dict[str, dict]:
+    cache_config = {"max_memory": pool_memory} | ({} if kv_dtype == "auto" else {"kv_dtype": kv_dtype})
+    paged = {"cache_implementation": "paged", "cache_config": cache_config}
     return {
         "DynamicCache": {},
         "paged eager": paged,
@@ -67,12 +72,14 @@ def decode(model, input_ids, new_tokens: int, options: dict) -> tuple[list[float
     return [b - a for a, b in zip(clock.times, clock.times[1:])], output
 
 
-def measure(model, batch: int, context: int, new_tokens: int, repeats: int, pool_memory: str) -> dict:
+def measure(
+    model, batch: int, context: int, new_tokens: int, repeats: int, pool_memory: str, kv_dtype: str = "auto"
+) -> dict:
     """Tokens/s of every cache at one shape, whether compiled paged tokens equal eager paged ones, and the graphs
     each compiled cache built meanwhile."""
     generator = torch.Generator().manual_seed(batch * 10_000 + context)
     input_ids = torch.randint(3, model.config.vocab_size, (batch, context), generator=generator)
-    options = caches(pool_memory)
+    options = caches(pool_memory, kv_dtype)
     graphs = unique_graphs()
     decode_before = hf_paged.compiled_decode_of(model)
     paged_before = 0 if decode_before is None else decode_before.graphs
@@ -92,6 +99,7 @@ def measure(model, batch: int, context: int, new_tokens: int, repeats: int, pool
 def measure_in_a_process(name: str, batch: int, context: int, args) -> dict:
     command = [sys.executable, __file__, "--models", name, "--shape", str(batch), str(context)]
     command += ["--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--pool-memory", args.pool_memory]
+    command += ["--kv-dtype", args.kv_dtype]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -110,6 +118,10 @@ def row(label: str, batch: int, context: int, result: dict) -> list:
     ]
 
 
+def pages_label(label: str, kv_dtype: str) -> str:
+    return label if kv_dtype == "auto" else f"{label}, {kv_dtype} pages"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["smollm2"], choices=["tiny", "smollm2"])
@@ -118,23 +130,29 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--pool-memory", default="4GiB")
+    parser.add_argument(
+        "--kv-dtype", default="auto", choices=["auto", "int8", "int4", "int4-channel"], help="the paged caches' pages"
+    )
     parser.add_argument("--in-process", action="store_true", help="every shape in this process, one after another")
     parser.add_argument("--shape", nargs=2, type=int, help=argparse.SUPPRESS)  # one shape, its result as JSON
     args = parser.parse_args()
     if args.shape is not None:
         model, label = load_model(args.models[0])
-        result = measure(model, *args.shape, args.new_tokens, args.repeats, args.pool_memory)
-        print(json.dumps({**result, "label": label}))
+        result = measure(model, *args.shape, args.new_tokens, args.repeats, args.pool_memory, args.kv_dtype)
+        print(json.dumps({**result, "label": pages_label(label, args.kv_dtype)}))
         return
     print(environment() + ("; every shape in one process" if args.in_process else "; each shape in its own process"))
     print()
     rows = []
     for name in args.models:
         model, label = load_model(name) if args.in_process else (None, name)
+        label = pages_label(label, args.kv_dtype)
         for batch in args.batches:
             for context in args.contexts:
                 if args.in_process:
-                    result = measure(model, batch, context, args.new_tokens, args.repeats, args.pool_memory)
+                    result = measure(
+                        model, batch, context, args.new_tokens, args.repeats, args.pool_memory, args.kv_dtype
+                    )
                 else:
                     result = measure_in_a_process(name, batch, context, args)
                     label = result["label"]

@@ -546,6 +546,17 @@ class BlockAllocator:
             self._evictable[block_id] = None
             return block_id
 
+    def forget_cached(self, block_ids: list[int]) -> None:
+        """Give back blocks `adopt_cached` took whose K/V could not be written: unindexed and free again."""
+        with self.lock:
+            for block_id in block_ids:  # all checked before any changes
+                if self._ref_counts[block_id] != 0 or block_id not in self._block_hash:
+                    raise ValueError(f"block {block_id} is not unreferenced cached content")
+            for block_id in block_ids:
+                self._unhash(block_id)
+                del self._evictable[block_id]
+                self._free.append(block_id)
+
     def pin_cached(self, block_ids: list[int]) -> None:
         """Take a reference to cached blocks (so that nothing evicts them) until `unpin_cached`."""
         with self.lock:

@@ -9,7 +9,7 @@ import torch
 from .channel_keys import StagedLayout, dequantize_keys, quantize_key_blocks
 from .kv_format import FORMATS, SCALE_DTYPE, KVFormat
 from .staging import Staging
-from .storage import KVStorage
+from .storage import KVStorage, copy_blocks_in
 
 
 class StagedKVStorage(KVStorage):
@@ -285,19 +285,24 @@ class StagedKVStorage(KVStorage):
                 return False
         return True
 
-    def load_block(self, block_id: int, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device) -> None:
+    def load_blocks(
+        self, block_ids: list[int], blocks: list[dict[str, torch.Tensor]], dtype: torch.dtype, device
+    ) -> None:
+        if not block_ids:
+            return
+        first, indices = blocks[0], {}
         with torch.no_grad():
-            for name, tensor in tensors.items():
+            for name in first:
                 part, lane = name.split(".")
                 if part != "r":
                     continue
                 lane = int(lane)
                 if lane not in self.raw:
-                    heads, head_dim, _ = (int(x) for x in tensors[f"m.{lane}"])
+                    heads, head_dim, _ = (int(x) for x in first[f"m.{lane}"])
                     with self._lock:
                         if lane not in self.raw:
                             self._allocate(lane, heads, head_dim, dtype, torch.device(device))
-                self.raw[lane][block_id].copy_(tensor)
+                copy_blocks_in(self.raw[lane], indices, block_ids, [block[name] for block in blocks])
 
     def layer_tensors(self, layer_idx: int):
         """The K and V blocks of `layer_idx` as `StagedPages` (read by the gather reference only)."""

@@ -227,22 +227,29 @@ class KVStorage:
                 return False
         return True
 
-    def load_block(self, block_id: int, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device) -> None:
-        """Write one block's `tensors` (checked by `block_fits`) into block `block_id`; a lane not allocated yet is
-        allocated on `device`, its K/V read back in `dtype`."""
-        parts = (self.keys, self.values, self.key_scales, self.value_scales)
+    def load_blocks(
+        self, block_ids: list[int], blocks: list[dict[str, torch.Tensor]], dtype: torch.dtype, device
+    ) -> None:
+        """Write `blocks[i]` (one block's tensors, checked by `block_fits`) into block `block_ids[i]`, one copy per
+        lane and part for all of them; a lane not allocated yet is allocated on `device`, its K/V read back in
+        `dtype`."""
+        if not block_ids:
+            return
+        parts = dict(zip(_PARTS, (self.keys, self.values, self.key_scales, self.value_scales)))
+        first, indices = blocks[0], {}
         with torch.no_grad():
-            for name, tensor in tensors.items():
+            for name in first:
                 prefix, lane = name.split(".")
                 lane = int(lane)
                 if lane not in self.keys:
-                    heads, width = tensors[f"k.{lane}"].shape[1:]
+                    heads, width = first[f"k.{lane}"].shape[1:]
                     head_dim = width * 8 // self.format.bits if self.format.quantized else width
-                    stored = dtype if self.format.quantized else tensors[f"k.{lane}"].dtype
+                    stored = dtype if self.format.quantized else first[f"k.{lane}"].dtype
                     with self._lock:
                         if lane not in self.keys:
                             self._allocate(lane, heads, head_dim, stored, torch.device(device))
-                parts[_PARTS.index(prefix)][lane][block_id].copy_(tensor)
+                target = parts[prefix][lane]
+                copy_blocks_in(target, indices, block_ids, [block[name] for block in blocks])
 
     def layer_tensors(
         self, layer_idx: int
@@ -266,6 +273,14 @@ class KVStorage:
 
 
 _PARTS = ("k", "v", "ks", "vs")
+
+
+def copy_blocks_in(target: torch.Tensor, indices: dict, block_ids: list[int], tensors: list[torch.Tensor]) -> None:
+    """`target[block_ids[i]] = tensors[i]` as one copy (`indices`: the block ids as a tensor per device, reused)."""
+    index = indices.get(target.device)
+    if index is None:
+        index = indices[target.device] = torch.tensor(block_ids, device=target.device)
+    target.index_copy_(0, index, torch.stack(tensors).to(target.device, target.dtype))
 
 
 def head_rows(slot_map: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -663,6 +663,25 @@ def test_adopt_cached_indexes_a_loaded_block_as_evictable_content():
     allocator.check_invariants()
 
 
+def test_forget_cached_frees_adopted_blocks_and_refuses_blocks_in_use():
+    allocator = BlockAllocator(num_blocks=3, block_size=2)
+    links = chain(root_hash(b"m"), [1, 2, 3, 4, 5, 6], 2)
+    adopted = [allocator.adopt_cached(*link) for link in links[:2]]
+    table = allocator.new_table()
+    allocator.share_cached(table, [adopted[0]])
+    with pytest.raises(ValueError, match="block 0 is not unreferenced cached content"):
+        allocator.forget_cached(adopted)  # block 0 is in a table
+    with pytest.raises(ValueError, match="block 2 is not unreferenced cached content"):
+        allocator.forget_cached([2])  # free, not cached
+    allocator.forget_cached([adopted[1]])
+    assert allocator.lookup_blocks(links[:2]) == [0, None]
+    assert allocator.evictable_block_ids == [] and allocator.free_block_ids == [2, 1]
+    allocator.check_invariants()
+    allocator.free(table)
+    assert allocator.evictable_block_ids == [0]
+    allocator.check_invariants()
+
+
 def test_adopt_cached_evicts_the_least_recently_used_and_refuses_what_it_cannot_take():
     allocator = BlockAllocator(num_blocks=2, block_size=2)
     links = chain(root_hash(b"m"), [1, 2, 3, 4, 5, 6], 2)

@@ -485,6 +485,66 @@ def test_redis_budget_and_unreachable_server(redis_url):
         OffloadConfig.from_dict({"remote": "http://localhost:6379"})
 
 
+def test_a_prefix_split_across_tiers_loads_whole_and_asks_redis_once(tmp_path, redis_url):
+    """Blocks the disk lost are taken from Redis, the rest from the disk: one run of 8 blocks, the remote store
+    asked in one round trip (one MGET) for every block the disk lacked, and those blocks promoted to the disk."""
+    import redis
+
+    tiers = {"dir": str(tmp_path), "remote": redis_url}
+    ids = _prompt(64, seed=17)
+    first = _fresh()
+    reference = _generate(first, ids, tiers)
+    get_pool(first).offload.flush()
+    files = sorted(tmp_path.rglob("*.safetensors"), key=os.path.getmtime)
+    assert len(files) == 8
+    for lost in (files[2], files[5]):
+        lost.unlink()
+    client = redis.Redis.from_url(redis_url)
+    client.config_resetstat()
+    again = _fresh()
+    assert torch.equal(_generate(again, ids, tiers), reference)
+    offload = get_pool(again).offload
+    offload.flush()
+    disk, remote = offload.stats().tiers
+    assert (disk.tokens_loaded, remote.tokens_loaded) == (5 * BLOCK, 2 * BLOCK)  # 7 blocks: 56 of the 64 tokens
+    assert client.info("commandstats")["cmdstat_mget"]["calls"] == 1
+    assert len(list(tmp_path.rglob("*.safetensors"))) == 8  # promoted back to the disk
+
+
+def test_a_block_no_tier_holds_ends_the_loaded_run(tmp_path):
+    tiers = {"dir": str(tmp_path)}
+    ids = _prompt(64, seed=18)
+    reference = _generate(_fresh(), ids, tiers)
+    files = sorted(tmp_path.rglob("*.safetensors"), key=os.path.getmtime)
+    files[3].unlink()  # blocks 4-7 are on the disk, but a prefix cannot skip block 3
+    model = _fresh()
+    assert torch.equal(_generate(model, ids, tiers), reference)
+    pool = get_pool(model)
+    assert pool.offload.stats().tiers[0].tokens_loaded == 3 * BLOCK
+    pool.allocator.check_invariants()
+
+
+def test_a_load_that_fails_while_copying_gives_its_blocks_back(tmp_path, monkeypatch):
+    """Blocks adopted for a load whose copy into the pool raises are not left indexed with unwritten K/V: the error
+    reaches the caller, the pool stays consistent, and the next call computes the prompt."""
+    tiers = {"dir": str(tmp_path)}
+    ids = _prompt(64, seed=19)
+    reference = _generate(_fresh(), ids, tiers)
+    model = _fresh()
+    pool = get_pool(model, block_size=BLOCK, num_blocks=96)
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("simulated: no memory for the copy")
+
+    monkeypatch.setattr(type(pool.storage), "load_blocks", out_of_memory)
+    with pytest.raises(RuntimeError, match="simulated"):
+        _generate(model, ids, tiers)
+    pool.allocator.check_invariants()
+    assert pool.allocator.num_free == 96 and not pool.allocator._block_hash
+    monkeypatch.undo()
+    assert torch.equal(_generate(model, ids, tiers), reference)
+
+
 def test_redis_lost_mid_run_switches_the_tier_off(redis_url, caplog):
     tiers = {"remote": redis_url}
     model = _fresh()

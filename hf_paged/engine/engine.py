@@ -362,7 +362,8 @@ class Engine:
             sampled = [step.requests[i] for i in done]
             tokens, logprobs = [], []
             if sampled:
-                logits = logits[done]
+                if len(done) < logits.shape[0]:  # else every row: no copy (64 x 49,152 fp32 logits: 0.5 ms a step)
+                    logits = logits[done]
                 tokens = next_tokens(sampled, logits)
                 logprobs = token_logprobs(sampled, logits, tokens)
         except BaseException as error:

@@ -37,6 +37,10 @@ class BlockStore:
     def get(self, key: str) -> bytes | None:
         raise NotImplementedError
 
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        """`get` of every key, in order (a remote store asks in one round trip)."""
+        return [self.get(key) for key in keys]
+
     def put(self, key: str, value: bytes) -> bool:
         """Store `value` under `key`; returns whether bytes were written (False: held already, or over budget)."""
         raise NotImplementedError
@@ -320,11 +324,18 @@ class RedisStore(BlockStore):
         return [self.PREFIX + key, self._recency, self._bytes_key]
 
     def get(self, key: str) -> bytes | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+        names = [self.PREFIX + key for key in keys]
         pipe = self.client.pipeline(transaction=False)
-        pipe.get(self.PREFIX + key)
-        pipe.zadd(self._recency, {self.PREFIX + key: time.time()}, xx=True)
-        value, _ = pipe.execute()
-        return value
+        pipe.mget(names)
+        now = time.time()
+        pipe.zadd(self._recency, dict.fromkeys(names, now), xx=True)  # only entries that exist are touched
+        values, _ = pipe.execute()
+        return values
 
     def put(self, key: str, value: bytes) -> bool:
         if len(value) > self.max_bytes:

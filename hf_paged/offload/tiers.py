@@ -14,6 +14,7 @@ unreachable server) switches itself off with one warning; the others go on, and 
 from __future__ import annotations
 
 import atexit
+import itertools
 import queue
 import threading
 import time
@@ -331,54 +332,75 @@ class KVOffload:
         allocator.pin_cached(pinned)
         try:
             room = allocator.num_free + len(allocator.evictable_block_ids)
-            loaded = 0
-            for group, index in wanted[:room]:
-                key, block_tokens = theirs[group][index]
-                if not self._load_block(pool, tiers, key, links[group][index][0], block_tokens):
-                    break
-                loaded += 1
-            return loaded
+            wanted = wanted[:room]
+            keys = [theirs[group][index][0] for group, index in wanted]
+            entries = self._fetch(pool, tiers, keys)
+            start = time.perf_counter()
+            block_ids = []
+            try:
+                for group, index in wanted[: len(entries)]:
+                    block_ids.append(allocator.adopt_cached(links[group][index][0], theirs[group][index][1]))
+                blocks = [tensors for _, _, tensors in entries]
+                pool.storage.load_blocks(block_ids, blocks, pool.kv_shape.dtype, self.device)
+            except BaseException:
+                allocator.forget_cached(block_ids)  # nothing half-written stays indexed
+                raise
+            copy_seconds = (time.perf_counter() - start) / max(len(entries), 1)
+            for key, (tier, data, _) in zip(keys, entries):
+                upper = [other for other in self.tiers[: self.tiers.index(tier)] if other.enabled]
+                if upper:  # promoted: the faster tiers above keep it too (written by the writer, off the lock)
+                    self._enqueue(([key], None, (data, upper)), len(data), 1)
+                tier.stats.hits += 1
+                tier.stats.tokens_loaded += self.block_size
+                tier.stats.bytes_read += len(data)
+                tier.stats.load_seconds += copy_seconds
+                self._written[key] = None
+            return len(entries)
         finally:
             allocator.unpin_cached(pinned)
 
-    def _load_block(self, pool, tiers: list[Tier], key: bytes, ours: bytes, tokens: tuple[int, ...]) -> bool:
+    def _fetch(self, pool, tiers: list[Tier], keys: list[bytes]) -> list[tuple[Tier, bytes, dict]]:
+        """The entries of the leading run of `keys` that the tiers hold intact, each as (its tier, its bytes, its
+        tensors) from the first tier that has it: every tier is asked, in one call, for the keys the tiers above it
+        lacked. An entry that fails its checks is a miss there (counted and deleted)."""
         storage = pool.storage
         num_lanes = pool.layout.lanes_per_block if pool.layout is not None else pool.kv_shape.num_layers
+        entries: list[tuple[Tier, bytes, dict] | None] = [None] * len(keys)
         for tier in tiers:
-            if not tier.enabled:
-                continue
+            missing = [i for i, entry in enumerate(entries) if entry is None]
+            if not missing:
+                break
             start = time.perf_counter()
             try:
-                data = tier.store.get(key.hex())
+                values = tier.store.get_many([keys[i].hex() for i in missing])
             except Exception as error:
-                tier.fail(error, "reading a block")
+                tier.fail(error, "reading blocks")
                 continue
-            if data is None:
-                continue
-            try:
-                tensors = decode(key.hex(), data)
-                if not storage.block_fits(tensors, num_lanes):
-                    raise CorruptBlockError(f"the entry stored under {key.hex()} does not fit this pool's blocks")
-            except CorruptBlockError as error:
-                tier.stats.rejects += 1
-                logger.info("hf_paged: %s tier: %s (deleted)", tier.store.name, error)
-                try:
-                    tier.store.delete(key.hex())
-                except Exception as delete_error:
-                    tier.fail(delete_error, "deleting a rejected block")
-                continue
-            block_id = pool.allocator.adopt_cached(ours, tokens)
-            storage.load_block(block_id, tensors, pool.kv_shape.dtype, self.device)
-            upper = [other for other in self.tiers[: self.tiers.index(tier)] if other.enabled]
-            if upper:  # promoted: the faster tiers above keep it too (written by the writer, off the lock)
-                self._enqueue(([key], None, (data, upper)), len(data), 1)
-            tier.stats.hits += 1
-            tier.stats.tokens_loaded += len(tokens)
-            tier.stats.bytes_read += len(data)
+            for i, data in zip(missing, values):
+                if data is not None:
+                    tensors = self._checked(tier, keys[i].hex(), data, storage, num_lanes)
+                    if tensors is not None:
+                        entries[i] = (tier, data, tensors)
             tier.stats.load_seconds += time.perf_counter() - start
-            self._written[key] = None
-            return True
-        return False
+        return list(itertools.takewhile(lambda entry: entry is not None, entries))
+
+    @staticmethod
+    def _checked(tier: Tier, key: str, data: bytes, storage, num_lanes: int) -> dict | None:
+        """The tensors of an entry that passes its checks and fits `storage`; else `None`, the entry counted as a
+        reject and deleted."""
+        try:
+            tensors = decode(key, data)
+            if not storage.block_fits(tensors, num_lanes):
+                raise CorruptBlockError(f"the entry stored under {key} does not fit this pool's blocks")
+            return tensors
+        except CorruptBlockError as error:
+            tier.stats.rejects += 1
+            logger.info("hf_paged: %s tier: %s (deleted)", tier.store.name, error)
+            try:
+                tier.store.delete(key)
+            except Exception as delete_error:
+                tier.fail(delete_error, "deleting a rejected block")
+            return None
 
     # ------------------------------------------------------------------ report
     def stats(self) -> OffloadStats:
