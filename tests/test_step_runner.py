@@ -273,6 +273,11 @@ def test_the_cpp_wrapper_setting_reads_the_environment(value, expected):
     assert step_runner.cpp_wrapper_from_env(value) is expected
 
 
+@pytest.mark.parametrize("value, expected", [(None, False), ("", False), ("1", True), ("on", True), ("0", False)])
+def test_the_adapters_forward_gets_cpp_host_code_only_when_asked(value, expected):
+    assert step_runner.adapters_cpp_wrapper_from_env(value) is expected
+
+
 def test_a_malformed_cpp_wrapper_setting_is_refused_naming_it():
     with pytest.raises(ValueError, match="HF_PAGED_CPP_WRAPPER='maybe': expected 1 .* or 0"):
         step_runner.cpp_wrapper_from_env("maybe")

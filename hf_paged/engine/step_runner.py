@@ -71,7 +71,16 @@ def cpp_wrapper_from_env(value: str | None) -> bool:
     raise ValueError(f"{CPP_WRAPPER_ENV}={value!r}: expected 1 (C++ host code for compiled CPU steps) or 0 (Python)")
 
 
+def adapters_cpp_wrapper_from_env(value: str | None) -> bool:
+    """Whether the compiled forward of steps with LoRA adapters gets C++ host code too: only where
+    `HF_PAGED_CPP_WRAPPER` is set to `1`. Unset, it gets Python's: for SmolLM2 with adapters on 120 modules, C++ host
+    code took 230-244 s to compile against 63-83 s for Python's, for steps ~2% faster (docs/benchmarks.md), which a
+    server running for hours may prefer and a notebook's first adapter request should not wait for."""
+    return value is not None and value.strip() != "" and cpp_wrapper_from_env(value)
+
+
 CPP_WRAPPER = cpp_wrapper_from_env(os.environ.get(CPP_WRAPPER_ENV))  # CUDA steps keep Python's host code
+ADAPTERS_CPP_WRAPPER = adapters_cpp_wrapper_from_env(os.environ.get(CPP_WRAPPER_ENV))
 
 
 def check_compile(value, exact: bool = False, cpu_linear: str = "stock") -> bool | str:
@@ -376,14 +385,17 @@ class StepRunner:
             self._adapted = (targets, _compiled_run_model())
         return self._adapted[1]
 
-    def _inductor_settings(self):
-        """Inductor's settings for the step forward, read while it compiles, inside the call (torch.compile's
-        `options` did not reach `freezing`): freezing, and the C++ host code on the CPU."""
-        return torch._inductor.config.patch(freezing=FREEZE, cpp_wrapper=self._cpp_wrapper())
+    def _inductor_settings(self, adapters: bool = False):
+        """Inductor's settings for the step forward (`adapters`: the adapters' forward), read while it compiles,
+        inside the call (torch.compile's `options` did not reach `freezing`): freezing, and the C++ host code where
+        `_cpp_wrapper` says."""
+        return torch._inductor.config.patch(freezing=FREEZE, cpp_wrapper=self._cpp_wrapper(adapters))
 
-    def _cpp_wrapper(self) -> bool:
-        """Whether the step compiles with C++ host code: on the CPU, as `CPP_WRAPPER` says, unless it failed here."""
-        return CPP_WRAPPER and self.device.type == "cpu" and self.python_host_code is None
+    def _cpp_wrapper(self, adapters: bool = False) -> bool:
+        """Whether the step compiles with C++ host code: on the CPU, as `CPP_WRAPPER` says (the adapters' forward:
+        `ADAPTERS_CPP_WRAPPER`), unless it failed here."""
+        wanted = ADAPTERS_CPP_WRAPPER if adapters else CPP_WRAPPER
+        return wanted and self.device.type == "cpu" and self.python_host_code is None
 
     def _weights_key(self) -> bytes:
         """What the model's weights are now (`prefix.prefix_namespace`; the planner refreshes it every step when
@@ -397,12 +409,13 @@ class StepRunner:
         if self._weights_key() != self._weights:  # trained, merged, edited or replaced since it was compiled
             logger.info("hf_paged: the model's weights changed since the Engine compiled its steps: compiling again")
             self._build()
+        adapters = lora is not None
         try:
-            with self._inductor_settings(), counting_graphs(self, "the Engine's step forward"):
-                forward = self._compiled if lora is None else self._adapted_forward(lora)
+            with self._inductor_settings(adapters), counting_graphs(self, "the Engine's step forward"):
+                forward = self._adapted_forward(lora) if adapters else self._compiled
                 logits = forward(self.model, self.keep_last_logits, input_ids, position_ids, last, tensors, lora)
         except COMPILE_ERRORS as error:
-            if not self._cpp_wrapper():
+            if not self._cpp_wrapper(adapters):
                 return self._disable(describe_error(error))
             # C++ host code cannot be written for some graph Python's can: compile once more with Python's
             self.python_host_code = describe_error(error)

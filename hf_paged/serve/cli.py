@@ -430,7 +430,7 @@ def _compile_now(engine) -> None:
     tokens (the first step runs eagerly, the next ones compile; the runner logs the compile time), then the same on
     the first LoRA adapter loaded (steps with adapters compile a forward of their own)."""
     logger.info("hf_paged: compiling the engine's steps before serving (about a minute for a 135M model on 2 CPU "
-                "cores, minutes more with --lora; --exact or --no-compile serve eager steps uncompiled)")  # fmt: skip
+                "cores, a minute more with --lora; --exact or --no-compile serve eager steps uncompiled)")  # fmt: skip
     engine.generate([[engine.pad_token_id]] * 2, max_new_tokens=3)
     for adapter in engine.adapters.names[:1]:
         engine.generate([[engine.pad_token_id]] * 2, max_new_tokens=3, adapter=adapter)
