@@ -290,7 +290,7 @@ class StagedKVStorage(KVStorage):
     ) -> None:
         if not block_ids:
             return
-        first, indices = blocks[0], {}
+        first, index = blocks[0], torch.tensor(block_ids)
         with torch.no_grad():
             for name in first:
                 part, lane = name.split(".")
@@ -302,7 +302,7 @@ class StagedKVStorage(KVStorage):
                     with self._lock:
                         if lane not in self.raw:
                             self._allocate(lane, heads, head_dim, dtype, torch.device(device))
-                copy_blocks_in(self.raw[lane], indices, block_ids, [block[name] for block in blocks])
+                copy_blocks_in(self.raw[lane], index, [block[name] for block in blocks])
 
     def layer_tensors(self, layer_idx: int):
         """The K and V blocks of `layer_idx` as `StagedPages` (read by the gather reference only)."""

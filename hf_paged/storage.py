@@ -236,7 +236,7 @@ class KVStorage:
         if not block_ids:
             return
         parts = dict(zip(_PARTS, (self.keys, self.values, self.key_scales, self.value_scales)))
-        first, indices = blocks[0], {}
+        first, index = blocks[0], torch.tensor(block_ids)
         with torch.no_grad():
             for name in first:
                 prefix, lane = name.split(".")
@@ -248,8 +248,7 @@ class KVStorage:
                     with self._lock:
                         if lane not in self.keys:
                             self._allocate(lane, heads, head_dim, stored, torch.device(device))
-                target = parts[prefix][lane]
-                copy_blocks_in(target, indices, block_ids, [block[name] for block in blocks])
+                copy_blocks_in(parts[prefix][lane], index, [block[name] for block in blocks])
 
     def layer_tensors(
         self, layer_idx: int
@@ -275,12 +274,10 @@ class KVStorage:
 _PARTS = ("k", "v", "ks", "vs")
 
 
-def copy_blocks_in(target: torch.Tensor, indices: dict, block_ids: list[int], tensors: list[torch.Tensor]) -> None:
-    """`target[block_ids[i]] = tensors[i]` as one copy (`indices`: the block ids as a tensor per device, reused)."""
-    index = indices.get(target.device)
-    if index is None:
-        index = indices[target.device] = torch.tensor(block_ids, device=target.device)
-    target.index_copy_(0, index, torch.stack(tensors).to(target.device, target.dtype))
+def copy_blocks_in(target: torch.Tensor, block_ids: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """`target[block_ids[i]] = tensors[i]` as one copy."""
+    device = target.device
+    target.index_copy_(0, block_ids.to(device), torch.stack(tensors).to(device, target.dtype))
 
 
 def head_rows(slot_map: torch.Tensor, num_heads: int) -> torch.Tensor:
