@@ -18,6 +18,7 @@ Usage: `python benchmarks/kv_offload.py [restart|multiturn|all]`
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -31,11 +32,20 @@ import time
 PREFIX_TOKENS = 2048
 
 
-def _document_ids(tokenizer, count: int, offset: int = 0) -> list[int]:
+@functools.cache
+def _document(tokenizer) -> tuple[int, ...]:
+    """The token ids of the document (113,108 with SmolLM2's tokenizer)."""
     from pydoc_data.topics import topics
 
-    text = "\n\n".join(topics[name] for name in sorted(topics))
-    return tokenizer(text).input_ids[offset : offset + count]
+    return tuple(tokenizer("\n\n".join(topics[name] for name in sorted(topics))).input_ids)
+
+
+def _document_ids(tokenizer, count: int, offset: int = 0) -> list[int]:
+    """`count` token ids of the document from `offset`; `ValueError` where the document ends before."""
+    document = _document(tokenizer)
+    if offset + count > len(document):
+        raise ValueError(f"tokens {offset}..{offset + count} asked of a document of {len(document)} tokens")
+    return list(document[offset : offset + count])
 
 
 def role(name: str, directory: str) -> None:
@@ -102,6 +112,7 @@ def restart() -> list[str]:
 
 # ---------------------------------------------------------------------------- multi-turn
 CONVERSATIONS, TURNS, USER_TOKENS, REPLY_TOKENS, SYSTEM_TOKENS = 32, 6, 48, 16, 96
+USER_OFFSET = 60000  # the user turns' text: conversation c, turn t from token 60,000 + 1,500 c + 60 t
 
 
 def _conversation_run(model, tokenizer, tiers: dict | None, num_blocks: int, together: bool) -> dict:
@@ -124,7 +135,7 @@ def _conversation_run(model, tokenizer, tiers: dict | None, num_blocks: int, tog
             prompts = []
             for c in range(CONVERSATIONS):
                 histories[c] = histories[c] + _document_ids(
-                    tokenizer, USER_TOKENS, offset=200000 + 5000 * c + 100 * turn
+                    tokenizer, USER_TOKENS, offset=USER_OFFSET + 1500 * c + 60 * turn
                 )
                 prompts.append(list(histories[c]))
             before = engine.pool.stats().prefix_tokens_reused

@@ -153,6 +153,23 @@ def test_changed_weights_are_compiled_again():
     assert engine.runner.graphs == 2
 
 
+@pytest.mark.parametrize("concat", [True, False])
+def test_projections_of_one_input_run_as_one_matmul(concat, monkeypatch):
+    # the default (True): q/k/v and gate/up concatenated by inductor's freezing, 4 matmuls a layer instead of 7, plus
+    # the LM head; False is the negative control (tokens: test_compiled_steps_give_the_eager_engines_tokens)
+    monkeypatch.setattr(step_runner, "CONCAT_LINEAR", concat)
+    model = tiny_model("llama", num_hidden_layers=2)
+    hf_paged.release_pool(model)
+    engine = hf_paged.Engine(model, block_size=4, num_blocks=64, compile=True)
+    engine.generate(prompts(4), max_new_tokens=4)  # compiles
+    engine.add_request([5, 6, 7], hf_paged.SamplingParams(max_new_tokens=4))
+    with torch.profiler.profile() as profile:
+        engine.step()
+    matmuls = [event.name for event in profile.events() if "linear" in event.name or "mm" in event.name]
+    assert engine.runner.graphs == 1 and engine.runner.compiled_steps == engine.runner.num_steps - 1
+    assert len(matmuls) == (4 if concat else 7) * 2 + 1, matmuls
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4", "int4-channel"])
 def test_quantized_pages_run_compiled_with_the_eager_engines_tokens(family, kv_dtype):

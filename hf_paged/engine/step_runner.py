@@ -57,6 +57,9 @@ logger = logging.getLogger(__name__)
 
 COMPILE_BACKEND = "inductor"  # torch.compile's backend for compiled steps (tests may swap it)
 FREEZE = True  # inductor's freezing: weights folded into the graph (benchmarks/compiled_steps.py measures without)
+# inductor's concat linear (CPU, with freezing): projections of one input (q/k/v, gate/up) run as one matmul, which two
+# threads share better (SmolLM2: steps 1.08x faster with 2 threads, 1.03x with 1, the same tokens; benchmarks.md)
+CONCAT_LINEAR = True
 CPP_WRAPPER_ENV = "HF_PAGED_CPP_WRAPPER"
 
 
@@ -387,9 +390,15 @@ class StepRunner:
 
     def _inductor_settings(self, adapters: bool = False):
         """Inductor's settings for the step forward (`adapters`: the adapters' forward), read while it compiles,
-        inside the call (torch.compile's `options` did not reach `freezing`): freezing, and the C++ host code where
-        `_cpp_wrapper` says."""
-        return torch._inductor.config.patch(freezing=FREEZE, cpp_wrapper=self._cpp_wrapper(adapters))
+        inside the call (torch.compile's `options` did not reach `freezing`): freezing, concatenated projections, and
+        the C++ host code where `_cpp_wrapper` says."""
+        return torch._inductor.config.patch(
+            {
+                "freezing": FREEZE,
+                "cpp.enable_concat_linear": CONCAT_LINEAR,
+                "cpp_wrapper": self._cpp_wrapper(adapters),
+            }
+        )
 
     def _cpp_wrapper(self, adapters: bool = False) -> bool:
         """Whether the step compiles with C++ host code: on the CPU, as `CPP_WRAPPER` says (the adapters' forward:
