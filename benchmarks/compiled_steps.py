@@ -11,6 +11,8 @@ up with 4 short requests (compiling, for the compiled variants: the time is repo
   a CPU with a C++ compiler);
 - `compiled-unfrozen`: the same with inductor's freezing off (weights stay graph inputs; `step_runner.FREEZE`);
 - `compiled-python`: compiled with inductor's host code in Python instead of C++ (`step_runner.CPP_WRAPPER`);
+- `compiled-separate`: compiled without concatenating the projections of one input (q/k/v, gate/up) into one matmul
+  (`step_runner.CONCAT_LINEAR`);
 - `compiled-BxT`: compiled with `max_batch_size=B, max_num_batched_tokens=T`.
 
 Reported per variant: tokens/s, start-up, compile seconds and graphs, how much the process's RSS grew from before
@@ -20,6 +22,7 @@ variant's.
     python benchmarks/compiled_steps.py --requests 200 --variants eager compiled compiled-unfrozen
     python benchmarks/compiled_steps.py --variants eager compiled --logprobs   # how far compiled is from eager
     python benchmarks/compiled_steps.py --variants eager compiled --logprobs --kv-dtype int8   # quantized pages
+    python benchmarks/compiled_steps.py --variants compiled-separate compiled --threads 2   # concat linear
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import gc
 import re
 import time
 
-VARIANT = re.compile(r"^(eager|compiled|compiled-unfrozen|compiled-python|compiled-(\d+)x(\d+))$")
+VARIANT = re.compile(r"^(eager|compiled|compiled-unfrozen|compiled-python|compiled-separate|compiled-(\d+)x(\d+))$")
 
 
 def run_variant(
@@ -46,6 +49,7 @@ def run_variant(
         limits = {"max_batch_size": int(match.group(2)), "max_num_batched_tokens": int(match.group(3))}
     step_runner.FREEZE = name != "compiled-unfrozen"
     step_runner.CPP_WRAPPER = name != "compiled-python"
+    step_runner.CONCAT_LINEAR = name != "compiled-separate"
     hf_paged.release_pool(model)
     gc.collect()
     rss_before = psutil.Process().memory_info().rss
@@ -78,7 +82,7 @@ def run_variant(
         "rss": (psutil.Process().memory_info().rss - rss_before) / 2**20,
     }
     engine.close()
-    step_runner.FREEZE = step_runner.CPP_WRAPPER = True
+    step_runner.FREEZE = step_runner.CPP_WRAPPER = step_runner.CONCAT_LINEAR = True
     return result
 
 
@@ -119,7 +123,7 @@ def main() -> None:
     args = parser.parse_args()
     for name in args.variants:
         if not VARIANT.match(name):
-            names = "eager, compiled, compiled-unfrozen, compiled-python or compiled-BxT"
+            names = "eager, compiled, compiled-unfrozen, compiled-python, compiled-separate or compiled-BxT"
             parser.error(f"--variants: {name!r} is not {names}")
 
     import torch

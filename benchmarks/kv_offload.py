@@ -5,14 +5,18 @@
   same prompt. Reports the prompt tokens B loaded instead of computing, the time to first token of B and C (each the
   first prompt of its process, after one short warm-up prompt) and whether their 16 greedy tokens are identical.
 - `multiturn`: 32 conversations x 6 turns through the Engine (`exact=True`), each turn's prompt the whole history
-  (replies included), conversations interleaved turn by turn; the pool holds at most a quarter of the histories, so
-  the prefix cache evicts. Twice: one request at a time (a time to first token is then the prompt's prefill or load),
-  and each turn's 32 requests submitted together (8 run at once: the time to first token includes the queue).
+  (replies included; each user turn 48 tokens of the document from token 60,000 on), conversations interleaved turn
+  by turn; the pool holds at most a quarter of the histories, so the prefix cache evicts. Twice: one request at a
+  time (a time to first token is then the prompt's prefill or load), and each turn's 32 requests submitted together
+  (8 run at once: the time to first token includes the queue).
   Without tiers, with the disk tier, and with the Redis tier (`--redis URL`; started on a free port when
   `redis-server` is installed and no URL is given): prompt tokens computed, time to first token p50 on turns >= 2,
   outputs compared.
 
-Usage: `python benchmarks/kv_offload.py [restart|multiturn|all]`
+`--engine default` runs the multi-turn pass through the Engine's defaults (compiled steps, each Engine compiling on
+an untimed warm-up prompt) instead of `exact=True`; `--modes` picks the passes.
+
+Usage: `python benchmarks/kv_offload.py [restart|multiturn|all] [--engine exact|default] [--modes ...]`
 """
 
 from __future__ import annotations
@@ -115,10 +119,11 @@ CONVERSATIONS, TURNS, USER_TOKENS, REPLY_TOKENS, SYSTEM_TOKENS = 32, 6, 48, 16, 
 USER_OFFSET = 60000  # the user turns' text: conversation c, turn t from token 60,000 + 1,500 c + 60 t
 
 
-def _conversation_run(model, tokenizer, tiers: dict | None, num_blocks: int, together: bool) -> dict:
+def _conversation_run(model, tokenizer, tiers: dict | None, num_blocks: int, together: bool, exact: bool) -> dict:
     """One pass of the conversations: each turn of every conversation submitted `together` (32 requests a turn,
     8 running at once), or one request at a time (so a time to first token is the prompt's prefill or load alone,
-    not its wait in the queue)."""
+    not its wait in the queue). `exact`: the Engine's eager steps; else its defaults (compiled steps, compiled during
+    a warm-up prompt that is not timed)."""
     import hf_paged
     from hf_paged import release_pool
 
@@ -130,7 +135,9 @@ def _conversation_run(model, tokenizer, tiers: dict | None, num_blocks: int, tog
         _document_ids(tokenizer, SYSTEM_TOKENS, offset=1000 * c) for c in range(CONVERSATIONS)
     ]  # each conversation its own opening
     replies, ttfts, computed = [], [], 0
-    with hf_paged.Engine(model, tokenizer, exact=True, max_batch_size=8, **options) as engine:
+    with hf_paged.Engine(model, tokenizer, exact=exact, max_batch_size=8, **options) as engine:
+        if not exact:  # compile on a prompt that shares nothing with the conversations
+            engine.generate([_document_ids(tokenizer, 32, offset=50000)], max_new_tokens=2)
         for turn in range(TURNS):
             prompts = []
             for c in range(CONVERSATIONS):
@@ -171,7 +178,7 @@ def _start_redis() -> tuple[subprocess.Popen | None, str | None]:
     return process, f"redis://127.0.0.1:{port}/0"
 
 
-def multiturn(redis_url: str | None) -> list[str]:
+def multiturn(redis_url: str | None, modes: list[str], exact: bool) -> list[str]:
     import torch
 
     from hf_paged.reference_models import load_smollm2
@@ -189,7 +196,7 @@ def multiturn(redis_url: str | None) -> list[str]:
         runs["Redis tier"] = {"remote": redis_url}
     lines = []
     try:
-        for together in (False, True):
+        for together in [mode == "together" for mode in modes]:
             results = {}
             for name, tiers in runs.items():
                 if tiers is not None and "dir" in tiers:
@@ -199,8 +206,8 @@ def multiturn(redis_url: str | None) -> list[str]:
 
                     redis.Redis.from_url(redis_url).flushdb()
                 print(f"{name}, {'together' if together else 'one at a time'}", file=sys.stderr, flush=True)
-                results[name] = _conversation_run(model, tokenizer, tiers, num_blocks, together)
-            lines += _table(results, num_blocks, together)
+                results[name] = _conversation_run(model, tokenizer, tiers, num_blocks, together, exact)
+            lines += _table(results, num_blocks, together, exact)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
         if process is not None:
@@ -208,9 +215,10 @@ def multiturn(redis_url: str | None) -> list[str]:
     return lines
 
 
-def _table(results: dict, num_blocks: int, together: bool) -> list[str]:
+def _table(results: dict, num_blocks: int, together: bool, exact: bool) -> list[str]:
     base = results["no tiers"]
     how = "each turn's 32 requests together" if together else "one request at a time"
+    how += ", exact Engine" if exact else ", Engine defaults (compiled)"
     lines = [
         "",
         f"| {CONVERSATIONS} conversations x {TURNS} turns, {how}; pool {num_blocks} blocks | prompt tokens computed "
@@ -231,6 +239,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", nargs="?", default="all", choices=["restart", "multiturn", "all"])
     parser.add_argument("--redis", default=None, help="a Redis URL for the multi-turn Redis row")
+    parser.add_argument(
+        "--engine",
+        default="exact",
+        choices=["exact", "default"],
+        help="multi-turn: the Engine's eager steps (exact=True) or its defaults (compiled steps)",
+    )
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=["one-at-a-time", "together"],
+        choices=["one-at-a-time", "together"],
+        help="multi-turn: one request at a time, and/or each turn's requests together",
+    )
     parser.add_argument("--role", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -241,7 +262,7 @@ def main() -> None:
     if args.what in ("restart", "all"):
         print("\n".join(restart()), flush=True)
     if args.what in ("multiturn", "all"):
-        print("\n".join(multiturn(args.redis)), flush=True)
+        print("\n".join(multiturn(args.redis, args.modes, args.engine == "exact")), flush=True)
 
 
 if __name__ == "__main__":

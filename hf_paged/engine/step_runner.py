@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 COMPILE_BACKEND = "inductor"  # torch.compile's backend for compiled steps (tests may swap it)
 FREEZE = True  # inductor's freezing: weights folded into the graph (benchmarks/compiled_steps.py measures without)
 # inductor's concat linear (CPU, with freezing): projections of one input (q/k/v, gate/up) run as one matmul, which two
-# threads share better (SmolLM2: steps 1.08x faster with 2 threads, 1.03x with 1, the same tokens; benchmarks.md)
+# threads share better (SmolLM2, 2 threads: 1.03x-1.07x the tokens/s, the same tokens; docs/benchmarks.md)
 CONCAT_LINEAR = True
 CPP_WRAPPER_ENV = "HF_PAGED_CPP_WRAPPER"
 
