@@ -9,7 +9,7 @@ import torch
 from .channel_keys import StagedLayout, dequantize_keys, quantize_key_blocks
 from .kv_format import FORMATS, SCALE_DTYPE, KVFormat
 from .staging import Staging
-from .storage import KVStorage, copy_blocks_in
+from .storage import KVStorage
 
 
 class StagedKVStorage(KVStorage):
@@ -285,24 +285,19 @@ class StagedKVStorage(KVStorage):
                 return False
         return True
 
-    def load_blocks(
-        self, block_ids: list[int], blocks: list[dict[str, torch.Tensor]], dtype: torch.dtype, device
-    ) -> None:
-        if not block_ids:
-            return
-        first, index = blocks[0], torch.tensor(block_ids)
-        with torch.no_grad():
-            for name in first:
-                part, lane = name.split(".")
-                if part != "r":
-                    continue
-                lane = int(lane)
+    def _load_target(self, name: str, first: dict[str, torch.Tensor], dtype: torch.dtype, device):
+        """A lane's row of bytes for part `r.LANE` (its lane allocated where it is not yet); `None` for the lane's
+        shape part `m.LANE`, which is not copied."""
+        part, lane = name.split(".")
+        if part != "r":
+            return None
+        lane = int(lane)
+        if lane not in self.raw:
+            heads, head_dim, _ = (int(x) for x in first[f"m.{lane}"])
+            with self._lock:
                 if lane not in self.raw:
-                    heads, head_dim, _ = (int(x) for x in first[f"m.{lane}"])
-                    with self._lock:
-                        if lane not in self.raw:
-                            self._allocate(lane, heads, head_dim, dtype, torch.device(device))
-                copy_blocks_in(self.raw[lane], index, [block[name] for block in blocks])
+                    self._allocate(lane, heads, head_dim, dtype, device)
+        return self.raw[lane]
 
     def layer_tensors(self, layer_idx: int):
         """The K and V blocks of `layer_idx` as `StagedPages` (read by the gather reference only)."""

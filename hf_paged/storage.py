@@ -235,20 +235,27 @@ class KVStorage:
         `dtype`."""
         if not block_ids:
             return
-        parts = dict(zip(_PARTS, (self.keys, self.values, self.key_scales, self.value_scales)))
         first, index = blocks[0], torch.tensor(block_ids)
         with torch.no_grad():
             for name in first:
-                prefix, lane = name.split(".")
-                lane = int(lane)
+                target = self._load_target(name, first, dtype, torch.device(device))
+                if target is not None:
+                    copy_blocks_in(target, index, [block[name] for block in blocks])
+
+    def _load_target(self, name: str, first: dict[str, torch.Tensor], dtype: torch.dtype, device) -> torch.Tensor:
+        """The tensor that an entry's part `name` (`k.3`, `vs.0`, ...) is copied into, its lane allocated from the
+        shapes in `first` (one block's tensors) where it is not yet."""
+        prefix, lane = name.split(".")
+        lane = int(lane)
+        if lane not in self.keys:
+            heads, width = first[f"k.{lane}"].shape[1:]
+            head_dim = width * 8 // self.format.bits if self.format.quantized else width
+            stored = dtype if self.format.quantized else first[f"k.{lane}"].dtype
+            with self._lock:
                 if lane not in self.keys:
-                    heads, width = first[f"k.{lane}"].shape[1:]
-                    head_dim = width * 8 // self.format.bits if self.format.quantized else width
-                    stored = dtype if self.format.quantized else first[f"k.{lane}"].dtype
-                    with self._lock:
-                        if lane not in self.keys:
-                            self._allocate(lane, heads, head_dim, stored, torch.device(device))
-                copy_blocks_in(parts[prefix][lane], index, [block[name] for block in blocks])
+                    self._allocate(lane, heads, head_dim, stored, device)
+        parts = dict(zip(_PARTS, (self.keys, self.values, self.key_scales, self.value_scales)))
+        return parts[prefix][lane]
 
     def layer_tensors(
         self, layer_idx: int
