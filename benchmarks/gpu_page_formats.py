@@ -1,11 +1,13 @@
-"""The Triton kernel on a CUDA device reading unquantized, int8 and int4 pages: one layer's decode attention (one
-query a row over its whole context), side by side in one run.
+"""The Triton kernel on a CUDA device reading unquantized, int8, int4 and int4-channel pages: one layer's decode
+attention (one query a row over its whole context), side by side in one run.
 
 Shapes are a Llama-style layer (32 query heads, 8 KV heads, head_dim 128), blocks of 16 tokens handed out in random
-order; queries and unquantized pages in `--dtype` (bf16). Times are medians of `--repeats` calls timed with CUDA
-events (after `--warmup` untimed calls). "GB/s" is the bytes of K/V the call must read (codes and scales) over its
-time: a decode call that reads each byte once is bound by that figure. `--tile-n 16 64 128` times each format with
-the kernel taking that many keys a step (default: its `TILE_N_BY_PRODUCTS`), to choose those constants.
+order (`"int4-channel"`: the same K/V written through its storage in blocks of 64, every row's last block open,
+its keys in companion blocks); queries and unquantized pages in `--dtype` (bf16). Times are medians of `--repeats`
+calls timed with CUDA events (after `--warmup` untimed calls). "GB/s" is the bytes of K/V the call must read (codes
+and scales) over its time: a decode call that reads each byte once is bound by that figure. `--tile-n 16 64 128`
+times each format with the kernel taking that many keys a step (default: its `TILE_N_BY_PRODUCTS`), to choose those
+constants.
 
 Usage: python benchmarks/gpu_page_formats.py [--batches 8 32] [--contexts 2048 8192] [--dtype bfloat16]
        [--tile-n 16 128] [--repeats 50]
@@ -25,8 +27,11 @@ import torch
 from common import environment
 
 from hf_paged import kernels
+from hf_paged.allocator import BlockAllocator
+from hf_paged.channel_keys import StagedLayout
 from hf_paged.kernels import triton as triton_backend
-from hf_paged.kv_format import QuantizedPages, kv_format
+from hf_paged.kv_format import FORMATS, QuantizedPages, kv_format
+from hf_paged.staged_storage import StagedKVStorage
 
 HEADERS = [
     "batch",
@@ -38,7 +43,8 @@ HEADERS = [
     "GB/s",
     "speed vs the shape's first row",
 ]
-QUANTIZED = ["int8", "int4"]
+QUANTIZED = ["int8", "int4", "int4-channel"]
+CHANNEL_BLOCK = 64  # the block size of "int4-channel" pages (the pool's default for them)
 
 
 def layer_call(batch, context, device, dtype, heads, kv_heads, head_dim, seed=0):
@@ -67,6 +73,36 @@ def pages(cache: torch.Tensor, name: str):
     if not fmt.quantized:
         return cache, token_bytes
     return QuantizedPages(fmt, *fmt.quantize(cache), cache.dtype), token_bytes
+
+
+def channel_pages(key_cache, value_cache, tables, lengths):
+    """Every row's K/V (read through `tables` from the dense blocks) written into `"int4-channel"` pages, as a pool
+    writes them: (key pages, value pages, their block tables, the bytes of K and V a token takes (block rows over
+    block size))."""
+    _, _, kv_heads, head_dim = key_cache.shape
+    layout = StagedLayout(CHANNEL_BLOCK, kv_heads, head_dim)
+    companions = layout.companions(key_cache.dtype)
+    lengths = lengths.tolist()
+    num_blocks = sum(-(-length // CHANNEL_BLOCK) + companions for length in lengths) + 1
+    allocator = BlockAllocator(num_blocks, CHANNEL_BLOCK, companions)
+    storage = StagedKVStorage(num_blocks, CHANNEL_BLOCK, kv_format=FORMATS["int4-channel"], companions=companions)
+    rows = []
+    for row, length in enumerate(lengths):
+        positions = torch.arange(length, device=key_cache.device)
+        dense_block = key_cache.shape[1]
+        dense_slots = tables[row].long()[positions // dense_block] * dense_block + positions % dense_block
+        table = allocator.new_table()
+        copies = allocator.append(table, length)
+        storage.apply_staging(allocator.staging)
+        storage.copy_blocks(copies)
+        block_ids = torch.tensor(table.block_ids, device=key_cache.device)
+        slots = block_ids[positions // CHANNEL_BLOCK] * CHANNEL_BLOCK + positions % CHANNEL_BLOCK
+        flat = (-1, kv_heads, head_dim)
+        storage.write(0, slots, key_cache.view(flat)[dense_slots], value_cache.view(flat)[dense_slots])
+        rows.append(table.block_ids)
+    channel_tables = torch.tensor(rows, dtype=torch.int32, device=key_cache.device)
+    key_pages, value_pages = storage.layer_tensors(0)
+    return key_pages, value_pages, channel_tables, layout.row_bytes // CHANNEL_BLOCK // 2
 
 
 def median_ms(fn, repeats: int, warmup: int, device: str) -> float:
@@ -98,13 +134,19 @@ def measure(args) -> list[list[str]]:
             scale = args.head_dim**-0.5
             base_ms = None
             for name in [args.dtype, *QUANTIZED]:
-                key_pages, token_bytes = pages(key_cache, name)
-                value_pages, _ = pages(value_cache, name)
+                if name == "int4-channel":
+                    key_pages, value_pages, name_tables, token_bytes = channel_pages(
+                        key_cache, value_cache, tables, lengths
+                    )
+                else:
+                    key_pages, token_bytes = pages(key_cache, name)
+                    value_pages, _ = pages(value_cache, name)
+                    name_tables = tables
                 for tile_n in args.tile_n or [None]:
                     triton_backend.TILE_N = tile_n
                     call = functools.partial(
-                        kernels.paged_attention, query, key_pages, value_pages, tables, lengths, starts, scale=scale,
-                        kernel="triton",
+                        kernels.paged_attention, query, key_pages, value_pages, name_tables, lengths, starts,
+                        scale=scale, kernel="triton",
                     )  # fmt: skip
                     ms = median_ms(call, args.repeats, args.warmup, args.device)
                     base_ms = ms if base_ms is None else base_ms

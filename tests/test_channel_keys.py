@@ -194,12 +194,9 @@ IN_PLACE = [
 ]
 
 
-@pytest.mark.parametrize("backend", IN_PLACE)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("options", [{}, {"window": 7}, {"softcap": 5.0, "sinks": torch.tensor([0.5, -1.0, 2.0, 0.0])}])
-def test_in_place_kernels_read_full_and_open_blocks_as_the_gather_reference(backend, dtype, options):
-    """Rows ending inside an open block and on a block edge, written over two writes each; decode and prefill
-    queries. A negative control reads every open block as if it were full: far off."""
+def _full_and_open_blocks(dtype, device="cpu"):
+    """A kernel call over rows ending inside an open block and on a block edge, written over two writes each;
+    decode and prefill queries. Returns the storage and the call's arguments."""
     generator = torch.Generator().manual_seed(11)
     block, heads, dim = 16, 2, 64
     allocator, storage = _storage(block, companions=4, num_blocks=64)
@@ -208,7 +205,7 @@ def test_in_place_kernels_read_full_and_open_blocks_as_the_gather_reference(back
         table = allocator.new_table()
         for count in (length // 2, length - length // 2):
             if count:
-                new = torch.randn(2, count, heads, dim, generator=generator).to(dtype)
+                new = torch.randn(2, count, heads, dim, generator=generator).to(device, dtype)
                 _append(allocator, storage, table, new[0] * 3, new[1], block)
         tables.append(table)
     width = max(len(t.block_ids) for t in tables)
@@ -217,7 +214,19 @@ def test_in_place_kernels_read_full_and_open_blocks_as_the_gather_reference(back
     query_start = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
     query = torch.randn(sum(counts), 4, dim, generator=generator).to(dtype)
     key_pages, value_pages = storage.layer_tensors(0)
-    args = (query, key_pages, value_pages, block_tables.int(), torch.tensor(lengths).int(), query_start)
+    call = (query, block_tables.int(), torch.tensor(lengths).int(), query_start)
+    query, block_tables, lengths, query_start = (tensor.to(device) for tensor in call)
+    return storage, (query, key_pages, value_pages, block_tables, lengths, query_start)
+
+
+@pytest.mark.parametrize("backend", IN_PLACE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("options", [{}, {"window": 7}, {"softcap": 5.0, "sinks": torch.tensor([0.5, -1.0, 2.0, 0.0])}])
+def test_in_place_kernels_read_full_and_open_blocks_as_the_gather_reference(backend, dtype, options):
+    """Rows ending inside an open block and on a block edge, written over two writes each; decode and prefill
+    queries. A negative control reads every open block as if it were full: far off."""
+    storage, args = _full_and_open_blocks(dtype)
+    dim = args[0].shape[-1]
     expected = paged_attention(*args, scale=dim**-0.5, kernel="gather", **options)
     got = paged_attention(*args, scale=dim**-0.5, kernel=backend, **options)
     tolerance = 3e-5 if dtype == torch.float32 else 3e-2
@@ -226,6 +235,18 @@ def test_in_place_kernels_read_full_and_open_blocks_as_the_gather_reference(back
     storage._device_tables.clear()
     wrong = paged_attention(*args, scale=dim**-0.5, kernel=backend, **options)
     assert (wrong.float() - expected.float()).abs().nan_to_num(nan=float("inf")).max() > 0.1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_triton_kernel_on_the_device_reads_full_and_open_blocks_as_the_gather_reference(dtype):
+    """The same call on a CUDA device, through the compiled Triton kernel (the test above runs it interpreted)."""
+    _, args = _full_and_open_blocks(dtype, "cuda")
+    dim = args[0].shape[-1]
+    expected = paged_attention(*args, scale=dim**-0.5, kernel="gather")
+    got = paged_attention(*args, scale=dim**-0.5, kernel="triton")
+    tolerance = 3e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=tolerance)
 
 
 @pytest.mark.parametrize("kernel", ["cpu", "gather"])

@@ -32,9 +32,10 @@ def test_every_format_and_tile_gets_a_row_on_tiny_cpu_shapes():
     rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| 2 ")]
     cells = [[cell.strip() for cell in row] for row in rows]
     # K and V of 2 KV heads x 64 dims a token: fp32 4 bytes a value; int8 one byte plus a bf16 scale a head;
-    # int4 two values a byte plus the scale
+    # int4 two values a byte plus the scale; int4-channel: its block rows (blocks of 64) over 64 tokens
     assert [(row[2], row[3], row[4]) for row in cells] == [
         ("float32", "16", "1024"), ("float32", "default", "1024"), ("int8", "16", "264"), ("int8", "default", "264"),
-        ("int4", "16", "136"), ("int4", "default", "136"),
+        ("int4", "16", "136"), ("int4", "default", "136"), ("int4-channel", "16", "140"),
+        ("int4-channel", "default", "140"),
     ]  # fmt: skip
     assert cells[0][-1] == "1.00x" and all(float(row[5]) > 0 for row in cells)

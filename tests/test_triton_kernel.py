@@ -34,19 +34,42 @@ DEVICE_CASES = [([300, 17, 64], [1, 1, 1], 4, None, None), ([300, 70, 64], [40, 
 
 COMPILE = textwrap.dedent(
     """
-    import inspect, json, sys
+    import collections, inspect, json, re, sys
     import torch
     import triton
+    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from hf_paged.kernels import triton as backend
 
     TARGET = GPUTarget("cuda", 90, 32)
+    # what Triton's launcher assumes at run time of arguments like these: pointers of whole allocations 16-byte
+    # aligned, and strides of 64-channel heads (k/v/q/out/companions/channel parameters) multiples of 16
+    ALIGNED_STRIDES = re.compile(r"^(q|o|k|v|kp|st)_stride_(token|head|block|slot|two)$")
+    WIDTH = {"b8": 1, "u8": 1, "s8": 1, "b16": 2, "u16": 2, "b32": 4, "u32": 4, "f32": 4, "b64": 8}
+
+
+    def global_loads(ptx):
+        \"\"\"{bytes a load instruction moves: count} over the PTX's global loads (ld.global, cp.async).\"\"\"
+        sizes = collections.Counter()
+        for vector, width in re.findall(r"ld\\.global(?:\\.[a-z]+\\d*)*?(?:\\.v(\\d))?\\.([bsuf]\\d+)\\s", ptx):
+            sizes[str(int(vector or 1) * WIDTH[width])] += 1
+        for size in re.findall(r"cp\\.async\\.c[ag]\\.shared\\.global[^;]*,\\s*(0x[0-9a-f]+|\\d+)", ptx):
+            sizes[str(int(size, 0))] += 1
+        return dict(sizes)
 
 
     @triton.jit
     def probe(x):
         pass  # the smallest kernel: does this triton compile for CUDA at all?
+
+
+    @triton.jit
+    def byte_wise(codes, out, N: tl.constexpr):
+        dims, keys = tl.arange(0, 64), tl.arange(0, N)  # a tile of N keys of 64 channels, 32 bytes a key
+        packed = tl.load(codes + keys[None, :] * 32 + dims[:, None] // 2).to(tl.int32)  # every code its byte
+        nibbles = tl.where(dims[:, None] % 2 == 0, packed & 15, packed >> 4).to(tl.float32)
+        tl.store(out + keys, tl.sum(nibbles, axis=0))
 
 
     try:
@@ -70,25 +93,36 @@ COMPILE = textwrap.dedent(
             value_scales_ptr="bf16", key_params_ptr="bf16", stage_ptr="i32", staging_ptr=TYPES[dtype],
             query_plain_ptr=TYPES[dtype],
         )
+        constants.update({name: 1 for name in names if name.endswith("stride_dim")})  # specialized, as launched
         signature = {
             name: "constexpr" if name in constants else "*" + pointers[name] if name in pointers
             else "fp32" if name in ("scale", "softcap") else "i32"
             for name in names
         }
-        source = ASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in constants.items()})
+        aligned = [n for n in names if n not in constants and (n in pointers or ALIGNED_STRIDES.match(n))]
+        source = ASTSource(
+            kernel, signature, constexprs={(names.index(n),): v for n, v in constants.items()},
+            attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
+        )
         try:
             compiled = triton.compile(source, target=TARGET)
-            results.append([len(compiled.asm["cubin"]), ""])
+            results.append([len(compiled.asm["cubin"]), "", global_loads(compiled.asm["ptx"])])
         except Exception as error:  # the message names the failing line
-            results.append([0, f"{type(error).__name__}: {error}"[-800:]])
-    print(json.dumps({"results": results}))
+            results.append([0, f"{type(error).__name__}: {error}"[-800:], {}])
+    control = triton.compile(
+        ASTSource(byte_wise, {"codes": "*u8", "out": "*fp32", "N": "constexpr"}, constexprs={(2,): 128},
+                  attrs={(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}),
+        target=TARGET,
+    )
+    print(json.dumps({"results": results, "control": global_loads(control.asm["ptx"])}))
     """
 )
 
 
-def compile_variants(variants: list[tuple], folder) -> list[list]:
-    """[cubin bytes, error] per variant, compiled in a child process without the interpreter (from a file: triton
-    reads a kernel's source)."""
+def compile_variants(variants: list[tuple], folder) -> dict:
+    """`results`: [cubin bytes, error, {bytes a global load moves: loads in the PTX}] per variant, and `control`: the
+    loads of a kernel that loads 4-bit codes a byte at a time; compiled in a child process without the interpreter
+    (from a file: triton reads a kernel's source)."""
     script = folder / "compile_paged_attention.py"
     script.write_text(COMPILE)
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
@@ -100,13 +134,26 @@ def compile_variants(variants: list[tuple], folder) -> list[list]:
     answer = json.loads(done.stdout.strip().splitlines()[-1])
     if "unavailable" in answer:
         pytest.skip(f"this triton cannot compile for CUDA here: {answer['unavailable']}")
-    return answer["results"]
+    return answer
 
 
 def test_the_kernel_compiles_for_a_cuda_gpu_for_every_page_format(tmp_path):
-    results = compile_variants(VARIANTS, tmp_path)
-    failures = [f"{variant}: {error}" for variant, (size, error) in zip(VARIANTS, results, strict=True) if not size]
+    results = compile_variants(VARIANTS, tmp_path)["results"]
+    failures = [f"{variant}: {error}" for variant, (size, error, _) in zip(VARIANTS, results, strict=True) if not size]
     assert not failures, "\n".join(failures)
+
+
+def test_quantized_codes_load_as_vectors_never_a_byte_at_a_time(tmp_path):
+    """int8 and 4-bit pages (per token and keys per channel) load their codes in vectors of bytes: the compiled
+    kernel has no one-byte global load, each 4-bit byte loaded once and its two nibbles split in registers. The
+    control, a kernel that addresses every 4-bit code's byte on its own, is all one-byte loads."""
+    quantized = [variant for variant in VARIANTS if variant[1] and variant[3] == 64]
+    answer = compile_variants(quantized, tmp_path)
+    assert answer["control"].get("1", 0) >= 16, answer["control"]  # the detector sees byte-wise loads
+    for variant, (size, error, loads) in zip(quantized, answer["results"], strict=True):
+        assert size, error
+        assert "1" not in loads, (variant, loads)
+        assert sum(count for width, count in loads.items() if int(width) >= 8), (variant, loads)
 
 
 @pytest.mark.gpu

@@ -88,8 +88,9 @@ def attention(
     query_plain: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`kernels.paged_attention` in Triton, reading the blocks where they lie (no host synchronisation). Quantized
-    pages (`hf_paged.kv_format`) are dequantized as they are loaded (codes x scale, fp32) and, being stored rotated,
-    attended in their rotated space: the queries are rotated in, the output back out. Keys per channel
+    pages (`hf_paged.kv_format`) are read as codes (loaded as vectors of bytes; 4-bit: each byte once, its nibbles
+    split into even and odd channels), their per-token scales applied to logits and probabilities, and, being stored
+    rotated, attended in their rotated space: the queries are rotated in, the output back out. Keys per channel
     (`"int4-channel"`): full blocks' keys against the rotated queries, open blocks' exact keys against the queries
     themselves."""
     quant_bits, key_scales, value_scales = 0, None, None
@@ -182,6 +183,7 @@ def kernel_constants(
         GROUP=group,
         HEAD_DIM=head_dim,
         HEAD_DIM_PADDED=max(16, _next_power_of_2(head_dim)),
+        HALF_DIM_PADDED=max(16, _next_power_of_2((head_dim + 1) // 2)),  # bytes of 4-bit codes, padded
         BLOCK_Q=block_m // group,
         BLOCK_M=block_m,
         TILE_N=TILE_N or TILE_N_BY_PRODUCTS[dot_fp32, quant_bits],

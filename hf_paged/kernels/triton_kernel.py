@@ -12,38 +12,42 @@ def _tanh(x):
 
 
 @triton.jit
-def _dequantize(rows, dims, stride_dim, mask, QUANT_BITS: tl.constexpr):
-    """Codes of quantized pages as fp32 (before the scale): int8 codes, or int4 codes two a byte (low nibble
-    first, stored as code + 8)."""
-    if QUANT_BITS == 8:
-        return tl.load(rows + dims * stride_dim, mask=mask, other=0).to(tl.float32)
-    packed = tl.load(rows + (dims // 2) * stride_dim, mask=mask, other=0x88).to(tl.int32)  # masked: codes 0
-    nibble = tl.where(dims % 2 == 0, packed & 15, packed >> 4)
-    return (nibble - 8).to(tl.float32)
+def _dot(a, b, like, DOT_FP32: tl.constexpr):
+    """`a @ b` in fp32: fp32 products (`input_precision="ieee"`, no TF32), else both operands in `like`'s half
+    precision on the tensor cores, accumulated in fp32 (codes of -127..127 convert to fp16/bf16 exactly)."""
+    if DOT_FP32:  # both branches return: compiled Triton needs one return type per branch, not a fallthrough
+        products = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        products = tl.dot(a.to(like.dtype), b.to(like.dtype))
+    return products
 
 
 @triton.jit
-def _load_kv(rows, dims, stride_dim, mask, scales, scale_mask, QUANT_BITS: tl.constexpr):
-    """A tile of K (or V) as the pages hold it: in the storage dtype, or quantized codes times their scales (`scales`
-    and `scale_mask` broadcast against `rows`), in fp32."""
-    if QUANT_BITS == 0:  # both branches return: compiled Triton needs one return type per branch, not a fallthrough
-        tile = tl.load(rows + dims * stride_dim, mask=mask, other=0.0)
-    else:
-        scale = tl.load(scales, mask=scale_mask, other=0.0).to(tl.float32)
-        tile = _dequantize(rows, dims, stride_dim, mask, QUANT_BITS) * scale
-    return tile
+def _nibbles(at, mask, SIGNED: tl.constexpr):
+    """4-bit codes two a byte, each byte loaded once (contiguous bytes load as vectors): the low nibbles (even
+    channels) and the high nibbles (odd channels) as int32, `code - 8` where `SIGNED` (`"int4"`: stored as code +
+    8), else `0..15` (keys per channel)."""
+    packed = tl.load(at, mask=mask, other=0).to(tl.int32)
+    low = packed & 15
+    high = (packed >> 4) & 15
+    if SIGNED:
+        low = low - 8
+        high = high - 8
+    return low, high
 
 
 @triton.jit
 def _channel_scores(
-    q, q_plain, key_ptr, key_params_ptr, stage_ptr, staging_ptr, block, slot, kv_head, offs_d, key_valid, dim_valid,
-    k_stride_block, k_stride_slot, k_stride_head, k_stride_dim, kp_stride_block, kp_stride_head, kp_stride_two,
-    kp_stride_dim, stage_stride, st_stride_block, st_stride_token, st_stride_head, st_stride_dim,
-    STAGING_TOKENS: tl.constexpr, DOT_FP32: tl.constexpr,
+    q_low, q_high, q_plain, key_ptr, key_params_ptr, stage_ptr, staging_ptr, block, slot, kv_head, offs_d, offs_h,
+    key_valid, dim_valid, half_valid, k_stride_block, k_stride_slot, k_stride_head, k_stride_dim, kp_stride_block,
+    kp_stride_head, kp_stride_two, kp_stride_dim, stage_stride, st_stride_block, st_stride_token, st_stride_head,
+    st_stride_dim, STAGING_TOKENS: tl.constexpr, DOT_FP32: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HALF_DIM_PADDED: tl.constexpr, TILE_N: tl.constexpr,
 ):  # fmt: skip
     """Logits of a tile over keys quantized per channel (`kv_dtype="int4-channel"`): a full block's keys are 4-bit
-    codes times their channel's step plus its minimum (rotated space, against `q`); an open block's keys are read
-    exactly from its companions' rows (against `q_plain`)."""
+    codes times their channel's step plus its minimum (rotated space, against the rotated query's even and odd
+    channels, `q_low` and `q_high`); an open block's keys are read exactly from its companions' rows (against
+    `q_plain`)."""
     first_companion = tl.load(stage_ptr + block * stage_stride, mask=key_valid, other=-1)
     staged = key_valid & (first_companion >= 0)
     full = key_valid & (first_companion < 0)
@@ -57,28 +61,29 @@ def _channel_scores(
         mask=staged[None, :] & dim_valid[:, None],
         other=0.0,
     )  # [HEAD_DIM_PADDED, TILE_N]
-    full_mask = full[None, :] & dim_valid[:, None]
-    packed = tl.load(
-        key_ptr
-        + block[None, :] * k_stride_block
-        + slot[None, :] * k_stride_slot
-        + kv_head * k_stride_head
-        + (offs_d[:, None] // 2) * k_stride_dim,
-        mask=full_mask,
-        other=0,
-    ).to(tl.int32)
-    nibble = tl.where(offs_d[:, None] % 2 == 0, packed & 15, packed >> 4).to(tl.float32)
+    # full blocks' keys token by token ([TILE_N, HALF_DIM_PADDED]: contiguous bytes and channel parameters)
+    full_mask = full[:, None] & half_valid[None, :]
+    rows = block * k_stride_block + slot * k_stride_slot + kv_head * k_stride_head
+    low, high = _nibbles(key_ptr + rows[:, None] + offs_h[None, :] * k_stride_dim, full_mask, False)
+    channels = tl.arange(0, 2 * HALF_DIM_PADDED)  # loaded side by side, then split into even and odd
     params = (
-        key_params_ptr + block[None, :] * kp_stride_block + kv_head * kp_stride_head + offs_d[:, None] * kp_stride_dim
+        key_params_ptr
+        + (block * kp_stride_block + kv_head * kp_stride_head)[:, None]
+        + channels[None, :] * kp_stride_dim
+    )  # [TILE_N, 2 * HALF_DIM_PADDED]: steps; their minimums kp_stride_two further
+    params_mask = full[:, None] & (channels < HEAD_DIM)[None, :]
+    shape: tl.constexpr = [TILE_N, HALF_DIM_PADDED, 2]
+    steps = tl.load(params, mask=params_mask, other=0.0).to(tl.float32)
+    step_low, step_high = tl.split(tl.reshape(steps, shape))
+    minimums = tl.load(params + kp_stride_two, mask=params_mask, other=0.0).to(tl.float32)
+    min_low, min_high = tl.split(tl.reshape(minimums, shape))
+    k_low = low.to(tl.float32) * step_low + min_low  # 0 where the key is open or not read
+    k_high = high.to(tl.float32) * step_high + min_high
+    return (
+        _dot(q_low, tl.trans(k_low), q_low, DOT_FP32)
+        + _dot(q_high, tl.trans(k_high), q_low, DOT_FP32)
+        + _dot(q_plain, plain, q_low, DOT_FP32)
     )
-    step = tl.load(params, mask=full_mask, other=0.0).to(tl.float32)
-    low = tl.load(params + kp_stride_two, mask=full_mask, other=0.0).to(tl.float32)
-    k = nibble * step + low  # 0 where the key is open or not read
-    if DOT_FP32:
-        s = tl.dot(q, k, input_precision="ieee") + tl.dot(q_plain, plain.to(tl.float32), input_precision="ieee")
-    else:
-        s = tl.dot(q, k.to(q.dtype)) + tl.dot(q_plain, plain.to(q.dtype))
-    return s
 
 
 @triton.jit
@@ -142,6 +147,7 @@ def paged_attention_kernel(
     QUANT_BITS: tl.constexpr,
     CHANNEL_KEYS: tl.constexpr,
     STAGING_TOKENS: tl.constexpr,
+    HALF_DIM_PADDED: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -166,15 +172,25 @@ def paged_attention_kernel(
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PADDED)
+    offs_h = tl.arange(0, HALF_DIM_PADDED)  # 4-bit pages: byte h holds channels 2h (low nibble) and 2h + 1
     query_index = local_tile * BLOCK_Q + offs_m // GROUP  # the row's query of each tile row
     head = kv_head * GROUP + offs_m % GROUP
     query_valid = (offs_m // GROUP < BLOCK_Q) & (query_index < num_queries)
     dim_valid = offs_d < HEAD_DIM
+    half_valid = offs_h < (HEAD_DIM + 1) // 2
+    even_valid = query_valid[:, None] & (2 * offs_h < HEAD_DIM)[None, :]
+    odd_valid = query_valid[:, None] & (2 * offs_h + 1 < HEAD_DIM)[None, :]
     position = context + query_index  # of each query in its row
-    query_at = (row_start + query_index)[:, None] * q_stride_token + head[:, None] * q_stride_head
-    query_at += offs_d[None, :] * q_stride_dim
+    query_row = (row_start + query_index)[:, None] * q_stride_token + head[:, None] * q_stride_head
+    query_at = query_row + offs_d[None, :] * q_stride_dim
     query_mask = query_valid[:, None] & dim_valid[None, :]
-    q = tl.load(query_ptr + query_at, mask=query_mask, other=0.0)
+    if QUANT_BITS == 4:  # the query's even and odd channels meet the codes' low and high nibbles
+        q = tl.load(query_ptr + query_row + (2 * offs_h)[None, :] * q_stride_dim, mask=even_valid, other=0.0)
+        q_high = tl.load(query_ptr + query_row + (2 * offs_h + 1)[None, :] * q_stride_dim, mask=odd_valid, other=0.0)
+        if DOT_FP32:
+            q_high = q_high.to(tl.float32)
+    else:
+        q = tl.load(query_ptr + query_at, mask=query_mask, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
     if CHANNEL_KEYS:  # open blocks' keys are exact and not rotated: they meet the query as it is
@@ -188,7 +204,11 @@ def paged_attention_kernel(
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
+    if QUANT_BITS == 4:  # the output's even channels (`acc`) and odd channels
+        acc = tl.zeros([BLOCK_M, HALF_DIM_PADDED], dtype=tl.float32)
+        acc_high = tl.zeros([BLOCK_M, HALF_DIM_PADDED], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
 
     # keys this tile's queries can see: up to its last query's position, from its first query's window on
     last_query = tl.minimum((local_tile + 1) * BLOCK_Q, num_queries) - 1
@@ -203,30 +223,35 @@ def paged_attention_kernel(
         key_valid = (key_position >= key_begin) & (key_position < key_end)  # never a skipped block
         block = tl.load(table + key_position // BLOCK_SIZE, mask=key_valid, other=0)
         slot = key_position % BLOCK_SIZE
-        scale_at = block * s_stride_block + slot * s_stride_slot + kv_head * s_stride_head  # quantized pages only
+        # quantized pages: codes as loaded, their per-token scales applied to the logits and to the probabilities
+        # (a [TILE_N] vector each) instead of to every loaded element
+        scale_at = block * s_stride_block + slot * s_stride_slot + kv_head * s_stride_head
+        key_rows = block * k_stride_block + slot * k_stride_slot + kv_head * k_stride_head
         if CHANNEL_KEYS:
             s = _channel_scores(
-                q, q_plain, key_ptr, key_params_ptr, stage_ptr, staging_ptr, block, slot, kv_head, offs_d,
-                key_valid, dim_valid, k_stride_block, k_stride_slot, k_stride_head, k_stride_dim, kp_stride_block,
-                kp_stride_head, kp_stride_two, kp_stride_dim, stage_stride, st_stride_block, st_stride_token,
-                st_stride_head, st_stride_dim, STAGING_TOKENS, DOT_FP32,
+                q, q_high, q_plain, key_ptr, key_params_ptr, stage_ptr, staging_ptr, block, slot, kv_head, offs_d,
+                offs_h, key_valid, dim_valid, half_valid, k_stride_block, k_stride_slot, k_stride_head, k_stride_dim,
+                kp_stride_block, kp_stride_head, kp_stride_two, kp_stride_dim, stage_stride, st_stride_block,
+                st_stride_token, st_stride_head, st_stride_dim, STAGING_TOKENS, DOT_FP32, HEAD_DIM, HALF_DIM_PADDED,
+                TILE_N,
             )  # fmt: skip
+        elif QUANT_BITS == 4:
+            codes_low, codes_high = _nibbles(
+                key_ptr + key_rows[None, :] + offs_h[:, None] * k_stride_dim,
+                key_valid[None, :] & half_valid[:, None],
+                True,
+            )  # [HALF_DIM_PADDED, TILE_N]
+            s = _dot(q, codes_low, q, DOT_FP32) + _dot(q_high, codes_high, q, DOT_FP32)
+            s = s * tl.load(key_scales_ptr + scale_at, mask=key_valid, other=0.0).to(tl.float32)[None, :]
         else:
-            k = _load_kv(
-                key_ptr + block[None, :] * k_stride_block + slot[None, :] * k_stride_slot + kv_head * k_stride_head,
-                offs_d[:, None],
-                k_stride_dim,
-                key_valid[None, :] & dim_valid[:, None],
-                key_scales_ptr + scale_at[None, :],
-                key_valid[None, :],
-                QUANT_BITS,
+            k = tl.load(
+                key_ptr + key_rows[None, :] + offs_d[:, None] * k_stride_dim,
+                mask=key_valid[None, :] & dim_valid[:, None],
+                other=0,
             )  # [HEAD_DIM_PADDED, TILE_N]
-            if not DOT_FP32:
-                k = k.to(query_ptr.dtype.element_ty)  # dequantized codes to the tensor cores' half precision
-            if DOT_FP32:
-                s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
-            else:
-                s = tl.dot(q, k)
+            s = _dot(q, k, q, DOT_FP32)
+            if QUANT_BITS == 8:
+                s = s * tl.load(key_scales_ptr + scale_at, mask=key_valid, other=0.0).to(tl.float32)[None, :]
         s = s * scale
         if USE_SOFTCAP:
             s = softcap * _tanh(s / softcap)
@@ -240,29 +265,34 @@ def paged_attention_kernel(
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
-        v = _load_kv(
-            value_ptr + block[:, None] * v_stride_block + slot[:, None] * v_stride_slot + kv_head * v_stride_head,
-            offs_d[None, :],
-            v_stride_dim,
-            key_valid[:, None] & dim_valid[None, :],
-            value_scales_ptr + scale_at[:, None],
-            key_valid[:, None],
-            QUANT_BITS,
-        )  # [TILE_N, HEAD_DIM_PADDED]
-        if not DOT_FP32:
-            v = v.to(query_ptr.dtype.element_ty)
-        if DOT_FP32:
-            acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        value_rows = block * v_stride_block + slot * v_stride_slot + kv_head * v_stride_head
+        if QUANT_BITS != 0:  # each key's value scale taken into its probability
+            p = p * tl.load(value_scales_ptr + scale_at, mask=key_valid, other=0.0).to(tl.float32)[None, :]
+        if QUANT_BITS == 4:
+            acc_high = acc_high * alpha[:, None]
+            codes_low, codes_high = _nibbles(
+                value_ptr + value_rows[:, None] + offs_h[None, :] * v_stride_dim,
+                key_valid[:, None] & half_valid[None, :],
+                True,
+            )  # [TILE_N, HALF_DIM_PADDED]
+            acc += _dot(p, codes_low, q, DOT_FP32)
+            acc_high += _dot(p, codes_high, q, DOT_FP32)
         else:
-            acc += tl.dot(p.to(v.dtype), v)
+            v = tl.load(
+                value_ptr + value_rows[:, None] + offs_d[None, :] * v_stride_dim,
+                mask=key_valid[:, None] & dim_valid[None, :],
+                other=0,
+            )  # [TILE_N, HEAD_DIM_PADDED]
+            acc += _dot(p, v, q, DOT_FP32)
         m_i = m_new
 
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(
-        out_ptr
-        + (row_start + query_index)[:, None] * o_stride_token
-        + head[:, None] * o_stride_head
-        + offs_d[None, :] * o_stride_dim,
-        out.to(out_ptr.dtype.element_ty),
-        mask=query_valid[:, None] & dim_valid[None, :],
-    )
+    denominator = tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out_row = out_ptr + (row_start + query_index)[:, None] * o_stride_token + head[:, None] * o_stride_head
+    if QUANT_BITS == 4:
+        tl.store(out_row + (2 * offs_h)[None, :] * o_stride_dim, (acc / denominator).to(out_ptr.dtype.element_ty),
+                 mask=even_valid)  # fmt: skip
+        tl.store(out_row + (2 * offs_h + 1)[None, :] * o_stride_dim,
+                 (acc_high / denominator).to(out_ptr.dtype.element_ty), mask=odd_valid)  # fmt: skip
+    else:
+        tl.store(out_row + offs_d[None, :] * o_stride_dim, (acc / denominator).to(out_ptr.dtype.element_ty),
+                 mask=query_valid[:, None] & dim_valid[None, :])  # fmt: skip
