@@ -50,6 +50,26 @@ def logits_processors(params: SamplingParams, prompt_length: int) -> LogitsProce
     return processors
 
 
+def apply_processors(processors: LogitsProcessorList, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """`processors(input_ids, scores)`: each processor in turn, as `LogitsProcessorList.__call__` calls those that take
+    only `(input_ids, scores)` (all of `logits_processors`'), without its per-call signature inspection (0.06 ms a
+    processor: 11 ms a step for 60 requests sampling with temperature, top-k and top-p)."""
+    for processor in processors:
+        scores = processor(input_ids, scores)
+    return scores
+
+
+def _still_acting(request: Request) -> LogitsProcessorList:
+    """`request.processors` without the minimum length once the request has generated `min_new_tokens` (from then on
+    it leaves every score as it is)."""
+    processors = request.processors
+    if len(request.output_token_ids) < request.params.min_new_tokens or not any(
+        isinstance(processor, MinNewTokensLengthLogitsProcessor) for processor in processors
+    ):
+        return processors
+    return LogitsProcessorList(p for p in processors if not isinstance(p, MinNewTokensLengthLogitsProcessor))
+
+
 def next_tokens(requests: list[Request], logits: torch.Tensor) -> list[int]:
     """One token per request from `logits` (`[batch, vocab]`, the last position of each row); `DEAD_END` for a
     request whose response format, penalties and bias together leave no token."""
@@ -66,25 +86,32 @@ def next_tokens(requests: list[Request], logits: torch.Tensor) -> list[int]:
             chosen[index] = DEAD_END if value == float("-inf") else token
             masked[index] = rows[position : position + 1]
     for index, request in enumerate(requests):
-        params = request.params
-        if not params.uses_processors:
-            continue
-        row = masked.get(index, logits[index : index + 1])
-        if request.processors is None:  # built once per request
-            request.processors = logits_processors(params, len(request.prompt_token_ids))
-        processors = request.processors
-        if processors:
-            ids = torch.tensor([request.token_ids], dtype=torch.long, device=logits.device)
-            row = processors(ids, row)
-        if index in masked and row.amax() == float("-inf"):
-            chosen[index] = DEAD_END
-            continue
-        if params.do_sample:
-            probs = torch.softmax(row, dim=-1)
-            chosen[index] = int(torch.multinomial(probs, 1, generator=request.generator))
-        else:
-            chosen[index] = int(row.argmax(dim=-1))
+        if request.params.uses_processors:
+            choice = _row_choice(request, masked.get(index, logits[index : index + 1]), index in masked)
+            chosen[index] = chosen[index] if choice is None else choice
     return chosen
+
+
+def _row_choice(request: Request, row: torch.Tensor, masked: bool) -> int | None:
+    """One row's token after its processors (`None`: the batch's greedy choice stands; `DEAD_END`: nothing left).
+    Rows are chosen in turn: threads choosing them side by side were measured slower in the Engine on a 2-core CPU
+    (266.5 vs 258.6 ms a step for 60 requests sampling; faster alone, 1.3x, but their OpenMP threads then compete
+    with the next forward)."""
+    params = request.params
+    if request.processors is None:  # built once per request
+        request.processors = logits_processors(params, len(request.prompt_token_ids))
+    processors = request.processors = _still_acting(request)
+    if not processors and not params.do_sample:
+        return None  # nothing changes its scores: the first maximum, as computed for the batch
+    if processors:
+        ids = torch.tensor([request.token_ids], dtype=torch.long, device=row.device)
+        row = apply_processors(processors, ids, row)
+    if masked and row.amax() == float("-inf"):
+        return DEAD_END
+    if not params.do_sample:
+        return int(row.max(dim=-1).indices)
+    probs = torch.softmax(row, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=request.generator))
 
 
 def token_logprobs(requests: list[Request], logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob | None]:
