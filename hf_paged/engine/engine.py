@@ -151,7 +151,7 @@ class Engine:
         if cpu_linear == "onednn" and not packed_linears(model):
             self._packed_linears = pack_linears(model)
         self.exact = exact
-        compile = resolve_compile(compile, exact, cpu_linear, model, self.pool.storage.format.name)
+        compile = resolve_compile(compile, exact, cpu_linear, model)
         self.runner = StepRunner(model, self.cache, self.adapters, self.pad_token_id, compile)
         if cuda_graphs is True or (cuda_graphs == "auto" and compile and self.device.type == "cuda"):
             self.runner.capture_decode_graphs(decode_graph_sizes(max_batch_size))

@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the engine's steps through torch.compile (inductor; compiled at start-up, about a minute for a "
         "135M model on 2 CPU cores): 1.3-1.6x the tokens/s of eager steps on a CPU, outputs differ from eager "
         "generate by float rounding. Default: compiled where it can run (no --exact, --cpu-linear stock, --tp 1, "
-        "the CPU, a C++ compiler) and is faster (not with --kv-dtype int4-channel), eager otherwise",
+        "the CPU, a C++ compiler), eager otherwise",
     )
     serve.add_argument(
         "--cuda-graphs",
