@@ -72,11 +72,10 @@ def _channel_scores(
         + channels[None, :] * kp_stride_dim
     )  # [TILE_N, 2 * HALF_DIM_PADDED]: steps; their minimums kp_stride_two further
     params_mask = full[:, None] & (channels < HEAD_DIM)[None, :]
-    shape: tl.constexpr = [TILE_N, HALF_DIM_PADDED, 2]
     steps = tl.load(params, mask=params_mask, other=0.0).to(tl.float32)
-    step_low, step_high = tl.split(tl.reshape(steps, shape))
+    step_low, step_high = tl.split(tl.reshape(steps, [TILE_N, HALF_DIM_PADDED, 2]))
     minimums = tl.load(params + kp_stride_two, mask=params_mask, other=0.0).to(tl.float32)
-    min_low, min_high = tl.split(tl.reshape(minimums, shape))
+    min_low, min_high = tl.split(tl.reshape(minimums, [TILE_N, HALF_DIM_PADDED, 2]))
     k_low = low.to(tl.float32) * step_low + min_low  # 0 where the key is open or not read
     k_high = high.to(tl.float32) * step_high + min_high
     return (
