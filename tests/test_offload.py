@@ -511,16 +511,36 @@ def test_a_prefix_split_across_tiers_loads_whole_and_asks_redis_once(tmp_path, r
     assert len(list(tmp_path.rglob("*.safetensors"))) == 8  # promoted back to the disk
 
 
+def test_a_damaged_entry_is_taken_from_the_tier_below(tmp_path, redis_url):
+    """A disk entry that fails its checks is a reject there, and the same block is read from Redis instead: the
+    whole prefix still loads."""
+    tiers = {"dir": str(tmp_path), "remote": redis_url}
+    ids = _prompt(64, seed=19)
+    first = _fresh()
+    reference = _generate(first, ids, tiers)
+    get_pool(first).offload.flush()
+    files = sorted(tmp_path.rglob("*.safetensors"), key=os.path.getmtime)
+    assert len(files) == 8
+    files[2].write_bytes(files[2].read_bytes()[:100])  # truncated on the disk; whole in Redis
+    again = _fresh()
+    assert torch.equal(_generate(again, ids, tiers), reference)
+    disk, remote = get_pool(again).offload.stats().tiers
+    assert (disk.rejects, disk.tokens_loaded, remote.tokens_loaded) == (1, 6 * BLOCK, 1 * BLOCK)
+
+
 def test_a_block_no_tier_holds_ends_the_loaded_run(tmp_path):
+    """Blocks past a hole are not loaded, nor even decoded: a damaged entry there is not read (no reject)."""
     tiers = {"dir": str(tmp_path)}
     ids = _prompt(64, seed=18)
     reference = _generate(_fresh(), ids, tiers)
     files = sorted(tmp_path.rglob("*.safetensors"), key=os.path.getmtime)
     files[3].unlink()  # blocks 4-7 are on the disk, but a prefix cannot skip block 3
+    files[5].write_bytes(files[5].read_bytes()[:100])  # truncated: a reject, were it decoded
     model = _fresh()
     assert torch.equal(_generate(model, ids, tiers), reference)
     pool = get_pool(model)
-    assert pool.offload.stats().tiers[0].tokens_loaded == 3 * BLOCK
+    disk = pool.offload.stats().tiers[0]
+    assert (disk.tokens_loaded, disk.rejects) == (3 * BLOCK, 0)
     pool.allocator.check_invariants()
 
 

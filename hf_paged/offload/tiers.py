@@ -14,7 +14,6 @@ unreachable server) switches itself off with one warning; the others go on, and 
 from __future__ import annotations
 
 import atexit
-import itertools
 import queue
 import threading
 import time
@@ -362,12 +361,14 @@ class KVOffload:
     def _fetch(self, pool, tiers: list[Tier], keys: list[bytes]) -> list[tuple[Tier, bytes, dict]]:
         """The entries of the leading run of `keys` that the tiers hold intact, each as (its tier, its bytes, its
         tensors) from the first tier that has it: every tier is asked, in one call, for the keys the tiers above it
-        lacked. An entry that fails its checks is a miss there (counted and deleted)."""
+        lacked; the entries are then checked in key order, up to the first key no tier holds intact (a prefix cannot
+        skip a block: what lies past it is never decoded). An entry that fails its checks is a miss there (counted
+        and deleted), and the tiers below are asked for that key."""
         storage = pool.storage
         num_lanes = pool.layout.lanes_per_block if pool.layout is not None else pool.kv_shape.num_layers
-        entries: list[tuple[Tier, bytes, dict] | None] = [None] * len(keys)
-        for tier in tiers:
-            missing = [i for i, entry in enumerate(entries) if entry is None]
+        found: list[tuple[int, bytes] | None] = [None] * len(keys)  # (tier index, bytes) of the first tier with it
+        for position, tier in enumerate(tiers):
+            missing = [i for i, entry in enumerate(found) if entry is None]
             if not missing:
                 break
             start = time.perf_counter()
@@ -378,11 +379,40 @@ class KVOffload:
                 continue
             for i, data in zip(missing, values):
                 if data is not None:
-                    tensors = self._checked(tier, keys[i].hex(), data, storage, num_lanes)
-                    if tensors is not None:
-                        entries[i] = (tier, data, tensors)
+                    found[i] = (position, data)
             tier.stats.load_seconds += time.perf_counter() - start
-        return list(itertools.takewhile(lambda entry: entry is not None, entries))
+        entries = []
+        for key, first in zip(keys, found):
+            entry = None if first is None else self._intact(tiers, first, key.hex(), storage, num_lanes)
+            if entry is None:
+                break
+            entries.append(entry)
+        return entries
+
+    def _intact(
+        self, tiers: list[Tier], first: tuple[int, bytes], key: str, storage, num_lanes: int
+    ) -> tuple[Tier, bytes, dict] | None:
+        """(tier, bytes, tensors) of `key`'s entry in the first tier that holds it intact, starting with `first`
+        (its tier's index in `tiers`, its bytes) and asking the tiers below one by one while entries fail their
+        checks; `None` where none does."""
+        position, data = first
+        while True:
+            tier = tiers[position]
+            start = time.perf_counter()
+            tensors = self._checked(tier, key, data, storage, num_lanes)
+            tier.stats.load_seconds += time.perf_counter() - start
+            if tensors is not None:
+                return tier, data, tensors
+            data = None
+            while data is None:
+                position += 1
+                if position == len(tiers):
+                    return None
+                if tiers[position].enabled:
+                    try:
+                        [data] = tiers[position].store.get_many([key])
+                    except Exception as error:
+                        tiers[position].fail(error, "reading blocks")
 
     @staticmethod
     def _checked(tier: Tier, key: str, data: bytes, storage, num_lanes: int) -> dict | None:
