@@ -38,16 +38,16 @@ def _nibbles(at, mask, SIGNED: tl.constexpr):
 
 @triton.jit
 def _channel_scores(
-    q_low, q_high, q_plain, key_ptr, key_params_ptr, stage_ptr, staging_ptr, block, slot, kv_head, offs_d, offs_h,
-    key_valid, dim_valid, half_valid, k_stride_block, k_stride_slot, k_stride_head, k_stride_dim, kp_stride_block,
-    kp_stride_head, kp_stride_two, kp_stride_dim, stage_stride, st_stride_block, st_stride_token, st_stride_head,
-    st_stride_dim, STAGING_TOKENS: tl.constexpr, DOT_FP32: tl.constexpr, HEAD_DIM: tl.constexpr,
+    q_low, q_high, q_plain, key_ptr, key_rows, key_params_ptr, stage_ptr, staging_ptr, block, slot, kv_head, offs_d,
+    offs_h, key_valid, dim_valid, half_valid, k_stride_dim, kp_stride_block, kp_stride_head, kp_stride_two,
+    kp_stride_dim, stage_stride, st_stride_block, st_stride_token, st_stride_head, st_stride_dim,
+    STAGING_TOKENS: tl.constexpr, DOT_FP32: tl.constexpr, HEAD_DIM: tl.constexpr,
     HALF_DIM_PADDED: tl.constexpr, TILE_N: tl.constexpr,
 ):  # fmt: skip
     """Logits of a tile over keys quantized per channel (`kv_dtype="int4-channel"`): a full block's keys are 4-bit
     codes times their channel's step plus its minimum (rotated space, against the rotated query's even and odd
     channels, `q_low` and `q_high`); an open block's keys are read exactly from its companions' rows (against
-    `q_plain`)."""
+    `q_plain`). `key_rows`: where each key's codes start (block, slot and head)."""
     first_companion = tl.load(stage_ptr + block * stage_stride, mask=key_valid, other=-1)
     staged = key_valid & (first_companion >= 0)
     full = key_valid & (first_companion < 0)
@@ -63,8 +63,7 @@ def _channel_scores(
     )  # [HEAD_DIM_PADDED, TILE_N]
     # full blocks' keys token by token ([TILE_N, HALF_DIM_PADDED]: contiguous bytes and channel parameters)
     full_mask = full[:, None] & half_valid[None, :]
-    rows = block * k_stride_block + slot * k_stride_slot + kv_head * k_stride_head
-    low, high = _nibbles(key_ptr + rows[:, None] + offs_h[None, :] * k_stride_dim, full_mask, False)
+    low, high = _nibbles(key_ptr + key_rows[:, None] + offs_h[None, :] * k_stride_dim, full_mask, False)
     channels = tl.arange(0, 2 * HALF_DIM_PADDED)  # loaded side by side, then split into even and odd
     params = (
         key_params_ptr
@@ -228,11 +227,10 @@ def paged_attention_kernel(
         key_rows = block * k_stride_block + slot * k_stride_slot + kv_head * k_stride_head
         if CHANNEL_KEYS:
             s = _channel_scores(
-                q, q_high, q_plain, key_ptr, key_params_ptr, stage_ptr, staging_ptr, block, slot, kv_head, offs_d,
-                offs_h, key_valid, dim_valid, half_valid, k_stride_block, k_stride_slot, k_stride_head, k_stride_dim,
-                kp_stride_block, kp_stride_head, kp_stride_two, kp_stride_dim, stage_stride, st_stride_block,
-                st_stride_token, st_stride_head, st_stride_dim, STAGING_TOKENS, DOT_FP32, HEAD_DIM, HALF_DIM_PADDED,
-                TILE_N,
+                q, q_high, q_plain, key_ptr, key_rows, key_params_ptr, stage_ptr, staging_ptr, block, slot, kv_head,
+                offs_d, offs_h, key_valid, dim_valid, half_valid, k_stride_dim, kp_stride_block, kp_stride_head,
+                kp_stride_two, kp_stride_dim, stage_stride, st_stride_block, st_stride_token, st_stride_head,
+                st_stride_dim, STAGING_TOKENS, DOT_FP32, HEAD_DIM, HALF_DIM_PADDED, TILE_N,
             )  # fmt: skip
         elif QUANT_BITS == 4:
             codes_low, codes_high = _nibbles(
@@ -241,7 +239,6 @@ def paged_attention_kernel(
                 True,
             )  # [HALF_DIM_PADDED, TILE_N]
             s = _dot(q, codes_low, q, DOT_FP32) + _dot(q_high, codes_high, q, DOT_FP32)
-            s = s * tl.load(key_scales_ptr + scale_at, mask=key_valid, other=0.0).to(tl.float32)[None, :]
         else:
             k = tl.load(
                 key_ptr + key_rows[None, :] + offs_d[:, None] * k_stride_dim,
@@ -249,8 +246,8 @@ def paged_attention_kernel(
                 other=0,
             )  # [HEAD_DIM_PADDED, TILE_N]
             s = _dot(q, k, q, DOT_FP32)
-            if QUANT_BITS == 8:
-                s = s * tl.load(key_scales_ptr + scale_at, mask=key_valid, other=0.0).to(tl.float32)[None, :]
+        if QUANT_BITS != 0 and not CHANNEL_KEYS:  # each key's scale taken into its logit
+            s = s * tl.load(key_scales_ptr + scale_at, mask=key_valid, other=0.0).to(tl.float32)[None, :]
         s = s * scale
         if USE_SOFTCAP:
             s = softcap * _tanh(s / softcap)
