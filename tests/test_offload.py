@@ -485,18 +485,25 @@ def test_redis_budget_and_unreachable_server(redis_url):
         OffloadConfig.from_dict({"remote": "http://localhost:6379"})
 
 
-def test_a_prefix_split_across_tiers_loads_whole_and_asks_redis_once(tmp_path, redis_url):
-    """Blocks the disk lost are taken from Redis, the rest from the disk: one run of 8 blocks, the remote store
-    asked in one round trip (one MGET) for every block the disk lacked, and those blocks promoted to the disk."""
-    import redis
-
+def _written_to_disk_and_redis(tmp_path, redis_url, seed: int):
+    """Tiers of a directory and Redis, a 64-token prompt, the tokens of a first run over it and the directory's 8
+    entry files it wrote (oldest first, the chain's order), every write done."""
     tiers = {"dir": str(tmp_path), "remote": redis_url}
-    ids = _prompt(64, seed=17)
+    ids = _prompt(64, seed=seed)
     first = _fresh()
     reference = _generate(first, ids, tiers)
     get_pool(first).offload.flush()
     files = sorted(tmp_path.rglob("*.safetensors"), key=os.path.getmtime)
     assert len(files) == 8
+    return tiers, ids, reference, files
+
+
+def test_a_prefix_split_across_tiers_loads_whole_and_asks_redis_once(tmp_path, redis_url):
+    """Blocks the disk lost are taken from Redis, the rest from the disk: one run of 8 blocks, the remote store
+    asked in one round trip (one MGET) for every block the disk lacked, and those blocks promoted to the disk."""
+    import redis
+
+    tiers, ids, reference, files = _written_to_disk_and_redis(tmp_path, redis_url, seed=17)
     for lost in (files[2], files[5]):
         lost.unlink()
     client = redis.Redis.from_url(redis_url)
@@ -514,13 +521,7 @@ def test_a_prefix_split_across_tiers_loads_whole_and_asks_redis_once(tmp_path, r
 def test_a_damaged_entry_is_taken_from_the_tier_below(tmp_path, redis_url):
     """A disk entry that fails its checks is a reject there, and the same block is read from Redis instead: the
     whole prefix still loads."""
-    tiers = {"dir": str(tmp_path), "remote": redis_url}
-    ids = _prompt(64, seed=19)
-    first = _fresh()
-    reference = _generate(first, ids, tiers)
-    get_pool(first).offload.flush()
-    files = sorted(tmp_path.rglob("*.safetensors"), key=os.path.getmtime)
-    assert len(files) == 8
+    tiers, ids, reference, files = _written_to_disk_and_redis(tmp_path, redis_url, seed=19)
     files[2].write_bytes(files[2].read_bytes()[:100])  # truncated on the disk; whole in Redis
     again = _fresh()
     assert torch.equal(_generate(again, ids, tiers), reference)
