@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from transformers import CompileConfig
 
 import hf_paged
 from hf_paged.compiling import unique_graphs
+from hf_paged.kernels import native_ops
 
 HEADERS = [
     "model",
@@ -96,11 +98,12 @@ def measure(
     }
 
 
-def measure_in_a_process(name: str, batch: int, context: int, args) -> dict:
+def measure_in_a_process(name: str, batch: int, context: int, args, ops: str = "native") -> dict:
     command = [sys.executable, __file__, "--models", name, "--shape", str(batch), str(context)]
     command += ["--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--pool-memory", args.pool_memory]
     command += ["--kv-dtype", args.kv_dtype]
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    env = {**os.environ, native_ops.DISABLE_VARIABLE: "0" if ops == "python" else "1"}
+    done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -134,8 +137,18 @@ def main() -> None:
         "--kv-dtype", default="auto", choices=["auto", "int8", "int4", "int4-channel"], help="the paged caches' pages"
     )
     parser.add_argument("--in-process", action="store_true", help="every shape in this process, one after another")
+    parser.add_argument(
+        "--ops",
+        nargs="+",
+        default=["native"],
+        choices=["native", "python"],
+        help="the CPU implementation of the paged ops: native (C++, the default) or python (HF_PAGED_NATIVE_OPS=0); "
+        "each shape runs once with each, in a process of its own",
+    )
     parser.add_argument("--shape", nargs=2, type=int, help=argparse.SUPPRESS)  # one shape, its result as JSON
     args = parser.parse_args()
+    if args.in_process and args.ops != ["native"]:
+        parser.error("--ops python runs each shape in a process of its own: leave out --in-process")
     if args.shape is not None:
         model, label = load_model(args.models[0])
         result = measure(model, *args.shape, args.new_tokens, args.repeats, args.pool_memory, args.kv_dtype)
@@ -153,11 +166,14 @@ def main() -> None:
                     result = measure(
                         model, batch, context, args.new_tokens, args.repeats, args.pool_memory, args.kv_dtype
                     )
-                else:
-                    result = measure_in_a_process(name, batch, context, args)
-                    label = result["label"]
-                rows.append(row(label, batch, context, result))
-                print(markdown_table(HEADERS, rows[-1:]).splitlines()[-1], flush=True)
+                    rows.append(row(label, batch, context, result))
+                    print(markdown_table(HEADERS, rows[-1:]).splitlines()[-1], flush=True)
+                    continue
+                for ops in args.ops:
+                    result = measure_in_a_process(name, batch, context, args, ops)
+                    label = result["label"] + (", Python ops" if ops == "python" else "")
+                    rows.append(row(label, batch, context, result))
+                    print(markdown_table(HEADERS, rows[-1:]).splitlines()[-1], flush=True)
     print()
     print(markdown_table(HEADERS, rows))
 

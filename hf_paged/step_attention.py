@@ -44,7 +44,7 @@ from typing import NamedTuple
 
 import torch
 
-from .kernels import ops
+from .kernels import native_ops, ops
 from .kv_format import FORMATS
 
 STEP_ATTENTION_NAME = "hf_paged_step"
@@ -104,6 +104,8 @@ class StepTensors(NamedTuple):
         (static shapes for a compiled decode; the padding names each row's first live block, as past a row's end;
         a wider table keeps its width)."""
         batch, layout, storage = cache.forward_batch, cache.layout, cache.pool.storage
+        if device.type == "cpu":
+            native_ops.load()  # the ops' CPU implementation without Python (built at first use)
         tables = [batch.kernel_tables(group.layers[0], device) for group in layout.groups]
         return cls(
             kv=pages_of(storage, len(layout.layer_windows)),

@@ -64,12 +64,14 @@ def _compiler_version(cxx: str) -> str:
         raise KernelBuildError(f"{cxx} --version failed: {error}") from error
 
 
-def library_path(source: Path, cxx: str) -> Path:
-    """The cached build of `source` for this compiler and CPU."""
+def library_path(source: Path, cxx: str, flags: tuple[str, ...] = CXX_FLAGS, depends: tuple[bytes, ...] = ()) -> Path:
+    """The cached build of `source` with `flags` for this compiler and CPU (`depends`: whatever else the build
+    reads, such as the sources it includes, as bytes)."""
     digest = hashlib.sha256()
     for part in (
         source.read_bytes(),
-        " ".join(CXX_FLAGS).encode(),
+        *depends,
+        " ".join(flags).encode(),
         _compiler_version(cxx).encode(),
         _cpu_flags().encode(),
     ):
@@ -77,17 +79,21 @@ def library_path(source: Path, cxx: str) -> Path:
     return cache_dir() / f"{source.stem}-{digest.hexdigest()[:16]}.so"
 
 
-def build(source: Path) -> Path:
-    """Compile `source` unless its cached build exists; returns the library's path (raises `KernelBuildError`)."""
+def build(
+    source: Path, flags: tuple[str, ...] = CXX_FLAGS, depends: tuple[bytes, ...] = (), link: tuple[str, ...] = ()
+) -> Path:
+    """Compile `source` with `flags` (and `link`, the linker's flags, after the source) unless its cached build
+    exists; returns the library's path (raises `KernelBuildError`). `depends`: what else the build reads (included
+    sources, the version of the headers), as bytes."""
     cxx = compiler()
-    target = library_path(source, cxx)
+    target = library_path(source, cxx, flags + link, depends)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         partial = Path(scratch) / target.name
-        command = [cxx, *CXX_FLAGS, str(source), "-o", str(partial)]
+        command = [cxx, *flags, str(source), "-o", str(partial), *link]
         try:
             result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         except (OSError, subprocess.SubprocessError) as error:

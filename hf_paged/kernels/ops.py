@@ -56,6 +56,11 @@ _LIBRARY.define(
     "Tensor query_start, float scale, int? window=None, float? softcap=None, Tensor? sinks=None, "
     "str backend='auto') -> Tensor"
 )
+_LIBRARY.define(  # the Python implementation of paged_attention, where the CPU one (`native_ops`) sends what it
+    "paged_attention_any(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
+    "Tensor query_start, float scale, int? window=None, float? softcap=None, Tensor? sinks=None, "
+    "str backend='auto') -> Tensor"
+)  # does not take
 _LIBRARY.define(
     "write_kv(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slots, Tensor keys, Tensor values) -> ()"
 )
@@ -154,6 +159,7 @@ def _write_kv_staged(rows, stage_tables, block_size, slots, keys, values) -> Non
 
 
 _LIBRARY.impl("paged_attention", _paged_attention, "CompositeExplicitAutograd")
+_LIBRARY.impl("paged_attention_any", _paged_attention, "CompositeExplicitAutograd")
 _LIBRARY.impl("write_kv", _write_kv, "CompositeExplicitAutograd")
 _LIBRARY.impl("paged_attention_quantized", _paged_attention_quantized, "CompositeExplicitAutograd")
 _LIBRARY.impl("write_kv_quantized", _write_kv_quantized, "CompositeExplicitAutograd")
@@ -162,6 +168,14 @@ _LIBRARY.impl("write_kv_staged", _write_kv_staged, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("hf_paged::paged_attention", lib=_LIBRARY)
+def _(
+    query, key_cache, value_cache, block_tables, seq_lens, query_start, scale, window=None, softcap=None, sinks=None,
+    backend="auto",
+):  # fmt: skip
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("hf_paged::paged_attention_any", lib=_LIBRARY)
 def _(
     query, key_cache, value_cache, block_tables, seq_lens, query_start, scale, window=None, softcap=None, sinks=None,
     backend="auto",
@@ -201,6 +215,7 @@ def _(rows, stage_tables, block_size, slots, keys, values) -> None:
 
 
 paged_attention = torch.ops.hf_paged.paged_attention.default
+paged_attention_any = torch.ops.hf_paged.paged_attention_any.default
 write_kv = torch.ops.hf_paged.write_kv.default
 paged_attention_quantized = torch.ops.hf_paged.paged_attention_quantized.default
 write_kv_quantized = torch.ops.hf_paged.write_kv_quantized.default
