@@ -11,6 +11,8 @@ up with 4 short requests (compiling, for the compiled variants: the time is repo
   a CPU with a C++ compiler);
 - `compiled-unfrozen`: the same with inductor's freezing off (weights stay graph inputs; `step_runner.FREEZE`);
 - `compiled-python`: compiled with inductor's host code in Python instead of C++ (`step_runner.CPP_WRAPPER`);
+- `compiled-python-ops`: compiled, the paged ops' CPU implementation in Python (`native_ops.python_implementation`)
+  instead of C++;
 - `compiled-separate`: compiled without concatenating the projections of one input (q/k/v, gate/up) into one matmul
   (`step_runner.CONCAT_LINEAR`);
 - `compiled-BxT`: compiled with `max_batch_size=B, max_num_batched_tokens=T`.
@@ -28,16 +30,27 @@ variant's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import re
 import time
 
-VARIANT = re.compile(r"^(eager|compiled|compiled-unfrozen|compiled-python|compiled-separate|compiled-(\d+)x(\d+))$")
+VARIANT = re.compile(
+    r"^(eager|compiled|compiled-unfrozen|compiled-python|compiled-python-ops|compiled-separate|compiled-(\d+)x(\d+))$"
+)
 
 
 def run_variant(
     model, name: str, requests, warmup, budget_tokens: int, logprobs: bool = False, kv_dtype: str = "auto"
 ) -> dict:
+    from hf_paged.kernels import native_ops
+
+    python_ops = name == "compiled-python-ops"
+    with native_ops.python_implementation() if python_ops else contextlib.nullcontext():
+        return _run_variant(model, name, requests, warmup, budget_tokens, logprobs, kv_dtype)
+
+
+def _run_variant(model, name: str, requests, warmup, budget_tokens: int, logprobs: bool, kv_dtype: str) -> dict:
     import psutil
 
     import hf_paged

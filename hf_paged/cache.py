@@ -291,9 +291,12 @@ class PagedCache(BatchCache):
         if self.prefix_caching and self.pool.index_full_blocks(self._rows, self.planner.roots):
             self.planner.forget_previous()
 
-    def refuse_if_too_large(self, prompts: list[tuple[int, int, int]], prefill_chunk: int | None = None) -> None:
+    def refuse_if_too_large(
+        self, prompts: list[tuple[int, int, int]], prefill_chunk: int | None = None, continuing: bool = False
+    ) -> None:
         """Raise `RequestTooLargeError`, before anything runs, when `generate`'s rows may need more blocks at once
-        than the whole pool has (`prompts`: see `ForwardPlanner.peak_blocks`), naming what set the pool's size."""
+        than the whole pool has (`prompts`: see `ForwardPlanner.peak_blocks`), naming what set the pool's size.
+        `continuing`: the call continues this cache, which holds rows (its pool cannot be rebuilt meanwhile)."""
         pool = self.pool
         needed = self.planner.peak_blocks(prompts, prefill_chunk)
         if needed <= pool.num_blocks:
@@ -301,13 +304,18 @@ class PagedCache(BatchCache):
         rows = sum(count for _, _, count in prompts)
         longest = max(total for _, total, _ in prompts)
         sized_by = pool.sized_by or "an earlier call"
+        advice = (
+            f"Ask for fewer tokens, or release this cache and continue on a new hf_paged.PagedCache(model, "
+            f"num_blocks={needed}) (an idle pool is rebuilt to its size); this cache is as it was before the call."
+            if continuing
+            else f"Give the call a pool that holds it (cache_config={{'num_blocks': {needed}}} or a larger "
+            "'max_memory': an idle pool is rebuilt), call hf_paged.release_pool(model) so the next call builds a pool "
+            "of the default size, or ask for fewer tokens."
+        )
         raise RequestTooLargeError(
             f"this generate call may need {needed} KV blocks of {pool.block_size} tokens at once ({rows} row(s) of up "
             f"to {longest} tokens, beams and returned sequences sharing their prompt's full blocks) but the model's "
-            f"whole pool has {pool.num_blocks} blocks, sized by {sized_by}. Give the call a pool that holds it "
-            f"(cache_config={{'num_blocks': {needed}}} or a larger 'max_memory': an idle pool is rebuilt), call "
-            "hf_paged.release_pool(model) so the next call builds a pool of the default size, or ask for fewer "
-            "tokens.",
+            f"whole pool has {pool.num_blocks} blocks, sized by {sized_by}. {advice}",
             needed,
             pool.num_free,
             pool.num_blocks,

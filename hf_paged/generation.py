@@ -243,6 +243,10 @@ def _generate_on_user_cache(model, cache: PagedCache, inputs, generation_config,
             cache.refresh_prefix_root()
     lookup = not _outputs_every_position(model, generation_config, kwargs)
     cache.start_from_prompt(input_ids, kwargs.get("attention_mask"), lookup)
+    request = _PagedRequest(model, cache.cache_config, input_ids, kwargs.get("attention_mask"))
+    request.cache = cache  # sized up front like a fresh call's, in `_prepare_paged_cache`
+    requests = _requests()
+    requests.append(request)
     try:
         implementation = paged_attention_for(
             model, cache.cache_config, _asks_for_attentions(model, generation_config, kwargs)
@@ -253,6 +257,8 @@ def _generate_on_user_cache(model, cache: PagedCache, inputs, generation_config,
         if was_empty and not cache.is_released:
             cache.reset()
         raise
+    finally:
+        requests.remove(request)
 
 
 @functools.wraps(_original_generate)
@@ -330,9 +336,11 @@ def _generate(model, inputs, generation_config, kwargs: dict):
     return output
 
 
-def _refuse_if_too_large(request: _PagedRequest, generation_config, model_kwargs, num_rows: int, final_length: int):
+def _refuse_if_too_large(
+    request: _PagedRequest, generation_config, model_kwargs, num_rows: int, final_length: int, continuing=False
+):
     """Refuse (`RequestTooLargeError`) a call whose rows, expanded for beams and returned sequences, may need more
-    blocks than the whole pool, before its first forward."""
+    blocks than the whole pool, before its first forward (`continuing`: on the caller's cache)."""
     width = request.input_ids.shape[-1] if request.input_ids is not None else None
     if model_kwargs.get("inputs_embeds") is not None:
         width = model_kwargs["inputs_embeds"].shape[1]
@@ -340,13 +348,16 @@ def _refuse_if_too_large(request: _PagedRequest, generation_config, model_kwargs
         return
     expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
     prompts = prompt_groups(request.input_ids, request.attention_mask, num_rows, width, final_length, expand)
-    request.cache.refuse_if_too_large(prompts, getattr(generation_config, "prefill_chunk_size", None))
+    request.cache.refuse_if_too_large(prompts, getattr(generation_config, "prefill_chunk_size", None), continuing)
 
 
 def _prepare_paged_cache(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):
     request = next((r for r in reversed(_requests()) if r.model is self and r.cache is None), None)
     if request is None:
         cache = model_kwargs.get("past_key_values")
+        continued = next((r for r in reversed(_requests()) if r.model is self and r.cache is cache), None)
+        if continued is not None and not generation_config.is_assistant:  # the caller's cache, continued
+            _refuse_if_too_large(continued, generation_config, model_kwargs, batch_size, max_cache_length, True)
         if isinstance(cache, PagedCache):
             _decide_compiled_decode(self, cache, generation_config, model_kwargs, generation_mode, max_cache_length)
         if isinstance(cache, PagedCache) and generation_config.cache_implementation == PAGED:

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_paged.kernels import AUTO_CPU_MAX_QUERIES, native_ops, ops
+from hf_paged.kv_format import kv_format
 
 from .test_kernels import random_call
 
@@ -36,6 +37,20 @@ def test_the_cpu_implementation_is_the_cpp_one_once_loaded():
     assert torch._C._dispatch_has_kernel_for_dispatch_key("hf_paged::write_kv", "CPU")
     # the op it passes calls on to has no CPU kernel of its own: the Python implementation
     assert not torch._C._dispatch_has_kernel_for_dispatch_key("hf_paged::paged_attention_any", "CPU")
+
+
+def test_the_python_implementation_can_be_put_back_for_a_block_and_the_cpp_one_returns():
+    def cpu_kernel_source() -> str:
+        dump = torch._C._dispatch_dump("hf_paged::paged_attention")
+        return next(line for line in dump.splitlines() if line.startswith("CPU:"))
+
+    query, key_cache, value_cache, tables, seq_lens, starts = random_call(2, [40, 9], [1, 3], head_dim=32)
+    args = (query, key_cache, value_cache, tables, seq_lens, starts, 0.2, None, None, None, "auto")
+    native = ops.paged_attention(*args)
+    with native_ops.python_implementation():
+        assert "paged_ops_cpu.cpp" not in cpu_kernel_source()
+        assert torch.equal(ops.paged_attention(*args), native)
+    assert "paged_ops_cpu.cpp" in cpu_kernel_source()
 
 
 @settings(max_examples=60, deadline=None)
@@ -144,3 +159,62 @@ def test_the_ops_pass_torchs_custom_op_checks_with_the_cpp_implementation():
     slots = torch.tensor([1, 2, 40])
     keys, values = torch.randn(3, 2, 32), torch.randn(3, 2, 32)
     torch.library.opcheck(ops.write_kv, (key_cache.clone(), value_cache.clone(), slots, keys, values))
+
+
+def _quantized_pages(generator: torch.Generator, kv_dtype: str, num_blocks: int, block_size: int, heads: int, dim: int):
+    """Random codes and bfloat16 scales of one cache in `kv_dtype` (`kv_format`'s layout)."""
+    fmt = kv_format(kv_dtype)
+    shape = (num_blocks, block_size, heads, fmt.code_dim(dim))
+    if fmt.bits == 8:
+        codes = torch.randint(-127, 128, shape, generator=generator, dtype=torch.int8)
+    else:
+        codes = torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)
+    scales = (torch.rand(num_blocks, block_size, heads, generator=generator) / 50).to(torch.bfloat16)
+    return codes, scales
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    kv_dtype=st.sampled_from(["int8", "int4"]),
+    dtype=st.sampled_from(DTYPES),
+    backend=st.sampled_from(["auto", "cpu", "gather"]),
+    window=st.sampled_from([None, 9]),
+    sinks=st.booleans(),
+    long_row=st.booleans(),
+)
+def test_quantized_results_are_bit_equal_to_the_python_implementation(
+    seed, kv_dtype, dtype, backend, window, sinks, long_row
+):
+    lengths = [(seed * (row + 3)) % 70 + 1 for row in range(3)]
+    counts = [1 + (seed + row) % min(length, 4) for row, length in enumerate(lengths)]
+    if long_row:
+        lengths[0], counts[0] = AUTO_CPU_MAX_QUERIES + 20, AUTO_CPU_MAX_QUERIES + 1
+    query, key_cache, _, tables, seq_lens, starts = random_call(seed, lengths, counts, head_dim=32, dtype=dtype)
+    generator = torch.Generator().manual_seed(seed)
+    pages = [*_quantized_pages(generator, kv_dtype, *key_cache.shape)]
+    pages += _quantized_pages(generator, kv_dtype, *key_cache.shape)
+    sink_logits = torch.randn(query.shape[1]).to(dtype) if sinks else None
+    args = (query, *pages, tables, seq_lens, starts, 0.2, kv_dtype, window, 4.0, sink_logits, backend)
+    with torch.inference_mode():
+        native, python = ops.paged_attention_quantized(*args), ops.paged_attention_quantized_any(*args)
+    assert native.dtype == dtype and native.is_contiguous()
+    assert torch.equal(native, python)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_writes_store_the_python_implementations_codes_and_scales(kv_dtype, dtype):
+    generator = torch.Generator().manual_seed(3)
+    pages = [*_quantized_pages(generator, kv_dtype, 5, 4, 2, 16), *_quantized_pages(generator, kv_dtype, 5, 4, 2, 16)]
+    keys, values = torch.randn(4, 2, 16, generator=generator) * 3, torch.randn(4, 2, 16, generator=generator)
+    keys[1, 0] = 0  # a zero vector: scale 0, codes 0
+    values[2, 1] = 3e38  # beyond what a bfloat16 scale holds: clamped
+    keys, values = keys.to(dtype), values.to(dtype)
+    slots = torch.tensor([19, 0, 7, 8])
+    expected = [page.clone() for page in pages]
+    ops.write_kv_quantized_any(*expected, slots, keys, values, kv_dtype)
+    ops.write_kv_quantized(*pages, slots, keys, values, kv_dtype)
+    for page, reference in zip(pages, expected):
+        assert torch.equal(page, reference)
+    assert not torch.equal(pages[0], _quantized_pages(torch.Generator().manual_seed(3), kv_dtype, 5, 4, 2, 16)[0])

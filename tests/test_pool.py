@@ -174,6 +174,29 @@ def test_a_request_the_engines_small_pool_cannot_hold_is_refused_before_any_forw
     assert len(forwards) == 200
 
 
+def test_a_continuation_the_caches_pool_cannot_hold_is_refused_before_any_forward_and_the_cache_goes_on(model):
+    """Continuing the caller's `PagedCache` (6 blocks of 4) from 12 tokens by 30 needs 11 blocks: refused before
+    the first forward (it used to run out mid-decode, leaving 24 tokens of a call whose output was lost in the
+    cache), the cache as it was; it then continues by 4 tokens with stock's tokens."""
+    cache = PagedCache(model, block_size=4, num_blocks=6)
+    options = {"do_sample": False, "pad_token_id": 0}
+    first = model.generate(torch.tensor([[5, 6, 7, 8, 9]]), max_new_tokens=7, **options, past_key_values=cache)
+    assert (first.shape[1], cache.get_seq_length()) == (12, 11)
+    used = get_pool(model).stats().num_used
+    forwards = count_forwards(model)
+    with pytest.raises(hf_paged.RequestTooLargeError) as refused:
+        model.generate(first, max_new_tokens=30, min_new_tokens=30, **options, past_key_values=cache)
+    message = str(refused.value)
+    assert "may need 11 KV blocks of 4 tokens" in message and "whole pool has 6 blocks" in message
+    assert "sized by PagedCache(num_blocks=6)" in message and "hf_paged.PagedCache(model, num_blocks=11)" in message
+    assert forwards == []
+    get_pool(model).check_invariants()
+    assert (cache.get_seq_length(), get_pool(model).stats().num_used) == (11, used)
+    more = model.generate(first, max_new_tokens=4, min_new_tokens=4, **options, past_key_values=cache)
+    assert torch.equal(more, model.generate(first, max_new_tokens=4, min_new_tokens=4, **options))
+    cache.release()
+
+
 def test_a_batch_an_earlier_calls_max_memory_cannot_hold_is_refused_at_once(model):
     """An earlier call's `max_memory` (4 blocks of 8 KiB here) sized the pool; 4 rows x 40 tokens need 12 blocks:
     refused before the prefill, naming that call; the exact size the message asks for runs."""

@@ -1,15 +1,17 @@
-"""The CPU kernel as the CPU implementation of the ops `hf_paged::paged_attention` and `hf_paged::write_kv`.
+"""The CPU kernel as the CPU implementation of the ops `hf_paged::paged_attention`, `write_kv`,
+`paged_attention_quantized` and `write_kv_quantized`.
 
 `kernels.ops` implements every op in Python: on the CPU, `paged_attention` fills the kernel's parameters and calls
-it through ctypes, ~30 µs of Python a call around a kernel that takes ~10 µs for a short decode row. A compiled
-step calls both ops once per layer, so at batch 1 that Python is a few percent of the step. `load()` builds
-`csrc/paged_ops_cpu.cpp` (the same kernel source with torch's headers, at first use, cached like every kernel:
-`kernels.build`) and registers it with torch's dispatcher as the ops' CPU implementation: a compiled graph's call
-then reaches the kernel without Python (inductor's C++ host code calls the dispatcher directly). The calls the
-kernel does not take (another backend named, a dtype it does not read, `"auto"` with a row of more queries than
-`AUTO_CPU_MAX_QUERIES`) go on to `hf_paged::paged_attention_any`, the Python implementation, so results are those
-of `kernels.paged_attention` either way (the same kernel, the same parameters: bit-equal). Where it cannot be built,
-the Python implementation stays (one log line says why).
+it through ctypes, ~30 µs of Python a call around a kernel that takes ~10 µs for a short decode row, and the
+quantized ops add ~50-85 µs of Python and torch calls each. A compiled step calls an attention and a write once per
+layer, so at batch 1 that Python is several percent of the step. `load()` builds `csrc/paged_ops_cpu.cpp` (the same
+kernel source with torch's headers, at first use, cached like every kernel: `kernels.build`) and registers it with
+torch's dispatcher as the ops' CPU implementation: a compiled graph's call then reaches the kernel without Python
+(inductor's C++ host code calls the dispatcher directly). The calls the kernel does not take (another backend
+named, a dtype it does not read, `"auto"` with a row of more queries than `AUTO_CPU_MAX_QUERIES`) go on to the
+op's Python implementation (`hf_paged::paged_attention_any`, ...); where it computes, it runs the Python
+implementation's torch operations in the same order and the same kernel with the same parameters, so results are
+bit-equal either way. Where it cannot be built, the Python implementation stays (one log line says why).
 
 Example:
 
@@ -25,9 +27,11 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
+import warnings
 from pathlib import Path
 
 import torch
@@ -91,3 +95,24 @@ def _load() -> bool | str:
     except (KernelBuildError, OSError, RuntimeError) as error:
         return f"the CPU kernel's torch ops could not be built or loaded ({error})"
     return True
+
+
+@contextlib.contextmanager
+def python_implementation():
+    """Within the block, the ops' CPU implementation is the Python one (the C++ one, loaded first where it builds,
+    is restored after): to compare the two in one process (benchmarks, tests). Not thread-safe: no other thread
+    should run the ops meanwhile."""
+    if not load():
+        yield
+        return
+    library = torch.library.Library("hf_paged", "IMPL")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
+        library.impl("paged_attention", ops._paged_attention, "CPU")
+        library.impl("write_kv", ops._write_kv, "CPU")
+        library.impl("paged_attention_quantized", ops._paged_attention_quantized, "CPU")
+        library.impl("write_kv_quantized", ops._write_kv_quantized, "CPU")
+    try:
+        yield
+    finally:
+        library._destroy()  # the C++ kernels registered before are the CPU ones again

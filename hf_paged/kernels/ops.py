@@ -9,7 +9,10 @@ own, `paged_attention_quantized` and `write_kv_quantized`, which take each cache
 format's name (the same quantization and kernels as eager steps). Pages with keys per channel (`"int4-channel"`)
 have `paged_attention_staged` and `write_kv_staged`, which take a layer's lane as its one byte tensor of rows with
 the pool's companion tables and read it through `StagedKVStorage.over_lane` (CPU steps: the write that fills a block
-decides on the host which blocks to quantize). Importing this module registers the ops.
+decides on the host which blocks to quantize). Importing this module registers the ops. On the CPU,
+`native_ops.load()` replaces the Python implementation of the plain and quantized ops with C++ (the same results);
+`paged_attention_any`, `paged_attention_quantized_any` and `write_kv_quantized_any` keep the Python one for the calls
+the C++ side passes on.
 
 Example:
 
@@ -32,7 +35,7 @@ Example:
 
 import torch
 
-from ..kv_format import QuantizedPages, kv_format
+from ..kv_format import QuantizedPages, hadamard, kv_format
 from ..staged_storage import StagedKVStorage, StagedPages
 from . import paged_attention as dispatch
 
@@ -73,6 +76,18 @@ _LIBRARY.define(
     "write_kv_quantized(Tensor(a!) key_codes, Tensor(b!) key_scales, Tensor(c!) value_codes, Tensor(d!) value_scales, "
     "Tensor slots, Tensor keys, Tensor values, str kv_dtype) -> ()"
 )
+# the Python implementations of the quantized ops and the rotation of quantized formats, for the CPU ones
+# (`native_ops`): the calls they do not take, and `kv_format.hadamard` asked for once per head dim
+_LIBRARY.define(
+    "paged_attention_quantized_any(Tensor query, Tensor key_codes, Tensor key_scales, Tensor value_codes, "
+    "Tensor value_scales, Tensor block_tables, Tensor seq_lens, Tensor query_start, float scale, str kv_dtype, "
+    "int? window=None, float? softcap=None, Tensor? sinks=None, str backend='auto') -> Tensor"
+)
+_LIBRARY.define(
+    "write_kv_quantized_any(Tensor(a!) key_codes, Tensor(b!) key_scales, Tensor(c!) value_codes, "
+    "Tensor(d!) value_scales, Tensor slots, Tensor keys, Tensor values, str kv_dtype) -> ()"
+)
+_LIBRARY.define("hadamard_of(Tensor x) -> Tensor")
 
 _LIBRARY.define(
     "paged_attention_staged(Tensor query, Tensor rows, Tensor stage_tables, int block_size, int kv_heads, "
@@ -163,6 +178,9 @@ _LIBRARY.impl("paged_attention_any", _paged_attention, "CompositeExplicitAutogra
 _LIBRARY.impl("write_kv", _write_kv, "CompositeExplicitAutograd")
 _LIBRARY.impl("paged_attention_quantized", _paged_attention_quantized, "CompositeExplicitAutograd")
 _LIBRARY.impl("write_kv_quantized", _write_kv_quantized, "CompositeExplicitAutograd")
+_LIBRARY.impl("paged_attention_quantized_any", _paged_attention_quantized, "CompositeExplicitAutograd")
+_LIBRARY.impl("write_kv_quantized_any", _write_kv_quantized, "CompositeExplicitAutograd")
+_LIBRARY.impl("hadamard_of", lambda x: hadamard(x.shape[-1], x.device), "CompositeExplicitAutograd")
 _LIBRARY.impl("paged_attention_staged", _paged_attention_staged, "CompositeExplicitAutograd")
 _LIBRARY.impl("write_kv_staged", _write_kv_staged, "CompositeExplicitAutograd")
 
@@ -201,6 +219,19 @@ def _(key_codes, key_scales, value_codes, value_scales, slots, keys, values, kv_
     return None
 
 
+@torch.library.register_fake("hf_paged::paged_attention_quantized_any", lib=_LIBRARY)
+def _(
+    query, key_codes, key_scales, value_codes, value_scales, block_tables, seq_lens, query_start, scale, kv_dtype,
+    window=None, softcap=None, sinks=None, backend="auto",
+):  # fmt: skip
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("hf_paged::write_kv_quantized_any", lib=_LIBRARY)
+def _(key_codes, key_scales, value_codes, value_scales, slots, keys, values, kv_dtype) -> None:
+    return None
+
+
 @torch.library.register_fake("hf_paged::paged_attention_staged", lib=_LIBRARY)
 def _(
     query, rows, stage_tables, block_size, kv_heads, block_tables, seq_lens, query_start, scale, window=None,
@@ -218,6 +249,8 @@ paged_attention = torch.ops.hf_paged.paged_attention.default
 paged_attention_any = torch.ops.hf_paged.paged_attention_any.default
 write_kv = torch.ops.hf_paged.write_kv.default
 paged_attention_quantized = torch.ops.hf_paged.paged_attention_quantized.default
+paged_attention_quantized_any = torch.ops.hf_paged.paged_attention_quantized_any.default
+write_kv_quantized_any = torch.ops.hf_paged.write_kv_quantized_any.default
 write_kv_quantized = torch.ops.hf_paged.write_kv_quantized.default
 paged_attention_staged = torch.ops.hf_paged.paged_attention_staged.default
 write_kv_staged = torch.ops.hf_paged.write_kv_staged.default
