@@ -185,64 +185,22 @@ _LIBRARY.impl("paged_attention_staged", _paged_attention_staged, "CompositeExpli
 _LIBRARY.impl("write_kv_staged", _write_kv_staged, "CompositeExplicitAutograd")
 
 
-@torch.library.register_fake("hf_paged::paged_attention", lib=_LIBRARY)
-def _(
-    query, key_cache, value_cache, block_tables, seq_lens, query_start, scale, window=None, softcap=None, sinks=None,
-    backend="auto",
-):  # fmt: skip
+def _fake_attention(query, *args, **kwargs) -> torch.Tensor:
+    """Every attention op's fake implementation: a new tensor shaped and typed as the query."""
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
-@torch.library.register_fake("hf_paged::paged_attention_any", lib=_LIBRARY)
-def _(
-    query, key_cache, value_cache, block_tables, seq_lens, query_start, scale, window=None, softcap=None, sinks=None,
-    backend="auto",
+def _fake_write(*args, **kwargs) -> None:
+    """Every write op's fake implementation: nothing returned (they write into their caches, as their schemas say)."""
+
+
+for _name in (
+    "paged_attention", "paged_attention_any", "paged_attention_quantized", "paged_attention_quantized_any",
+    "paged_attention_staged",
 ):  # fmt: skip
-    return torch.empty_like(query, memory_format=torch.contiguous_format)
-
-
-@torch.library.register_fake("hf_paged::write_kv", lib=_LIBRARY)
-def _(key_cache, value_cache, slots, keys, values) -> None:
-    return None
-
-
-@torch.library.register_fake("hf_paged::paged_attention_quantized", lib=_LIBRARY)
-def _(
-    query, key_codes, key_scales, value_codes, value_scales, block_tables, seq_lens, query_start, scale, kv_dtype,
-    window=None, softcap=None, sinks=None, backend="auto",
-):  # fmt: skip
-    return torch.empty_like(query, memory_format=torch.contiguous_format)
-
-
-@torch.library.register_fake("hf_paged::write_kv_quantized", lib=_LIBRARY)
-def _(key_codes, key_scales, value_codes, value_scales, slots, keys, values, kv_dtype) -> None:
-    return None
-
-
-@torch.library.register_fake("hf_paged::paged_attention_quantized_any", lib=_LIBRARY)
-def _(
-    query, key_codes, key_scales, value_codes, value_scales, block_tables, seq_lens, query_start, scale, kv_dtype,
-    window=None, softcap=None, sinks=None, backend="auto",
-):  # fmt: skip
-    return torch.empty_like(query, memory_format=torch.contiguous_format)
-
-
-@torch.library.register_fake("hf_paged::write_kv_quantized_any", lib=_LIBRARY)
-def _(key_codes, key_scales, value_codes, value_scales, slots, keys, values, kv_dtype) -> None:
-    return None
-
-
-@torch.library.register_fake("hf_paged::paged_attention_staged", lib=_LIBRARY)
-def _(
-    query, rows, stage_tables, block_size, kv_heads, block_tables, seq_lens, query_start, scale, window=None,
-    softcap=None, sinks=None, backend="auto",
-):  # fmt: skip
-    return torch.empty_like(query, memory_format=torch.contiguous_format)
-
-
-@torch.library.register_fake("hf_paged::write_kv_staged", lib=_LIBRARY)
-def _(rows, stage_tables, block_size, slots, keys, values) -> None:
-    return None
+    torch.library.register_fake(f"hf_paged::{_name}", _fake_attention, lib=_LIBRARY)
+for _name in ("write_kv", "write_kv_quantized", "write_kv_quantized_any", "write_kv_staged"):
+    torch.library.register_fake(f"hf_paged::{_name}", _fake_write, lib=_LIBRARY)
 
 
 paged_attention = torch.ops.hf_paged.paged_attention.default
