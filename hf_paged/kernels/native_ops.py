@@ -17,7 +17,7 @@ Example:
 
 ```python
 >>> from hf_paged.kernels import native_ops
->>> native_ops.load()   # builds at first use (~20 s), then loads the cached build
+>>> native_ops.load()   # builds at first use (20-30 s), then loads the cached build
 True
 >>> native_ops.loaded()
 True
