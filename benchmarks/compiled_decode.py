@@ -162,16 +162,14 @@ def main() -> None:
         label = pages_label(label, args.kv_dtype)
         for batch in args.batches:
             for context in args.contexts:
-                if args.in_process:
-                    result = measure(
-                        model, batch, context, args.new_tokens, args.repeats, args.pool_memory, args.kv_dtype
-                    )
-                    rows.append(row(label, batch, context, result))
-                    print(markdown_table(HEADERS, rows[-1:]).splitlines()[-1], flush=True)
-                    continue
                 for ops in args.ops:
-                    result = measure_in_a_process(name, batch, context, args, ops)
-                    label = result["label"] + (", Python ops" if ops == "python" else "")
+                    if args.in_process:
+                        result = measure(
+                            model, batch, context, args.new_tokens, args.repeats, args.pool_memory, args.kv_dtype
+                        )
+                    else:
+                        result = measure_in_a_process(name, batch, context, args, ops)
+                        label = result["label"] + (", Python ops" if ops == "python" else "")
                     rows.append(row(label, batch, context, result))
                     print(markdown_table(HEADERS, rows[-1:]).splitlines()[-1], flush=True)
     print()

@@ -25,11 +25,6 @@ pytestmark = pytest.mark.skipif(not native_ops.load(), reason="the CPU ops could
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # float64: the kernel passes it on
 
 
-def _python_write(key_cache, value_cache, slots, keys, values) -> None:
-    key_cache.view(-1, *keys.shape[1:]).index_copy_(0, slots, keys.to(key_cache.dtype))
-    value_cache.view(-1, *values.shape[1:]).index_copy_(0, slots, values.to(value_cache.dtype))
-
-
 def test_the_cpu_implementation_is_the_cpp_one_once_loaded():
     dump = torch._C._dispatch_dump("hf_paged::paged_attention")
     cpu_line = next(line for line in dump.splitlines() if line.startswith("CPU:"))
@@ -102,7 +97,7 @@ def test_write_kv_stores_what_index_copy_stores(case):
         keys, values = keys.transpose(0, 1).contiguous().transpose(0, 1), values[:, :, :]
     slots = torch.tensor([23, 0, 9, 10, 4])
     expected = key_cache.clone(), value_cache.clone()
-    _python_write(*expected, slots, keys, values)
+    ops.PYTHON_IMPLEMENTATIONS["write_kv"](*expected, slots, keys, values)
     ops.write_kv(key_cache, value_cache, slots, keys, values)
     assert torch.equal(key_cache, expected[0]) and torch.equal(value_cache, expected[1])
 

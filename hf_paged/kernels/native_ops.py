@@ -68,6 +68,8 @@ def load() -> bool:
     thread-safe; a failure is logged once and remembered (the Python implementation stays). `HF_PAGED_NATIVE_OPS=0`
     in the environment keeps the Python implementation."""
     global _state
+    if _state is not None:  # decided (every compiled step asks)
+        return _state is True
     with _lock:
         if _state is None:
             if os.environ.get(DISABLE_VARIABLE, "1") == "0":
@@ -108,10 +110,8 @@ def python_implementation():
     library = torch.library.Library("hf_paged", "IMPL")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
-        library.impl("paged_attention", ops._paged_attention, "CPU")
-        library.impl("write_kv", ops._write_kv, "CPU")
-        library.impl("paged_attention_quantized", ops._paged_attention_quantized, "CPU")
-        library.impl("write_kv_quantized", ops._write_kv_quantized, "CPU")
+        for name in ("paged_attention", "write_kv", "paged_attention_quantized", "write_kv_quantized"):
+            library.impl(name, ops.PYTHON_IMPLEMENTATIONS[name], "CPU")
     try:
         yield
     finally:

@@ -54,50 +54,30 @@ __all__ = [
 # call in Python layers (autograd, in-place bookkeeping, default filling) that cost a compiled decode step of
 # SmolLM2's 30 layers about 2 ms on the CPU. Neither op has a backward (inference only).
 _LIBRARY = torch.library.Library("hf_paged", "DEF")
-_LIBRARY.define(
-    "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
+_SCHEMAS = {  # name -> arguments and returns
+    "paged_attention": "(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
     "Tensor query_start, float scale, int? window=None, float? softcap=None, Tensor? sinks=None, "
-    "str backend='auto') -> Tensor"
-)
-_LIBRARY.define(  # the Python implementation of paged_attention, where the CPU one (`native_ops`) sends what it
-    "paged_attention_any(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
-    "Tensor query_start, float scale, int? window=None, float? softcap=None, Tensor? sinks=None, "
-    "str backend='auto') -> Tensor"
-)  # does not take
-_LIBRARY.define(
-    "write_kv(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slots, Tensor keys, Tensor values) -> ()"
-)
-_LIBRARY.define(
-    "paged_attention_quantized(Tensor query, Tensor key_codes, Tensor key_scales, Tensor value_codes, "
+    "str backend='auto') -> Tensor",
+    "write_kv": "(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slots, Tensor keys, Tensor values) -> ()",
+    "paged_attention_quantized": "(Tensor query, Tensor key_codes, Tensor key_scales, Tensor value_codes, "
     "Tensor value_scales, Tensor block_tables, Tensor seq_lens, Tensor query_start, float scale, str kv_dtype, "
-    "int? window=None, float? softcap=None, Tensor? sinks=None, str backend='auto') -> Tensor"
-)
-_LIBRARY.define(
-    "write_kv_quantized(Tensor(a!) key_codes, Tensor(b!) key_scales, Tensor(c!) value_codes, Tensor(d!) value_scales, "
-    "Tensor slots, Tensor keys, Tensor values, str kv_dtype) -> ()"
-)
-# the Python implementations of the quantized ops and the rotation of quantized formats, for the CPU ones
-# (`native_ops`): the calls they do not take, and `kv_format.hadamard` asked for once per head dim
-_LIBRARY.define(
-    "paged_attention_quantized_any(Tensor query, Tensor key_codes, Tensor key_scales, Tensor value_codes, "
-    "Tensor value_scales, Tensor block_tables, Tensor seq_lens, Tensor query_start, float scale, str kv_dtype, "
-    "int? window=None, float? softcap=None, Tensor? sinks=None, str backend='auto') -> Tensor"
-)
-_LIBRARY.define(
-    "write_kv_quantized_any(Tensor(a!) key_codes, Tensor(b!) key_scales, Tensor(c!) value_codes, "
-    "Tensor(d!) value_scales, Tensor slots, Tensor keys, Tensor values, str kv_dtype) -> ()"
-)
-_LIBRARY.define("hadamard_of(Tensor x) -> Tensor")
-
-_LIBRARY.define(
-    "paged_attention_staged(Tensor query, Tensor rows, Tensor stage_tables, int block_size, int kv_heads, "
+    "int? window=None, float? softcap=None, Tensor? sinks=None, str backend='auto') -> Tensor",
+    "write_kv_quantized": "(Tensor(a!) key_codes, Tensor(b!) key_scales, Tensor(c!) value_codes, "
+    "Tensor(d!) value_scales, Tensor slots, Tensor keys, Tensor values, str kv_dtype) -> ()",
+    "paged_attention_staged": "(Tensor query, Tensor rows, Tensor stage_tables, int block_size, int kv_heads, "
     "Tensor block_tables, Tensor seq_lens, Tensor query_start, float scale, int? window=None, float? softcap=None, "
-    "Tensor? sinks=None, str backend='auto') -> Tensor"
-)
-_LIBRARY.define(
-    "write_kv_staged(Tensor(a!) rows, Tensor stage_tables, int block_size, Tensor slots, Tensor keys, Tensor values) "
-    "-> ()"
-)
+    "Tensor? sinks=None, str backend='auto') -> Tensor",
+    "write_kv_staged": "(Tensor(a!) rows, Tensor stage_tables, int block_size, Tensor slots, Tensor keys, "
+    "Tensor values) -> ()",
+}
+# The ops whose CPU implementation in C++ (`native_ops`) passes the calls it does not take on to a twin
+# `<name>_any`: the same schema, the Python implementation only.
+_PASSED_ON = ("paged_attention", "paged_attention_quantized", "write_kv_quantized")
+for _name, _schema in _SCHEMAS.items():
+    _LIBRARY.define(_name + _schema)
+for _name in _PASSED_ON:
+    _LIBRARY.define(f"{_name}_any{_SCHEMAS[_name]}")
+_LIBRARY.define("hadamard_of(Tensor x) -> Tensor")  # `kv_format.hadamard`, asked for by the C++ ops per head dim
 
 
 def _paged_attention(
@@ -173,16 +153,19 @@ def _write_kv_staged(rows, stage_tables, block_size, slots, keys, values) -> Non
     storage.write_lane(0, slots, keys, values.to(keys.dtype))
 
 
-_LIBRARY.impl("paged_attention", _paged_attention, "CompositeExplicitAutograd")
-_LIBRARY.impl("paged_attention_any", _paged_attention, "CompositeExplicitAutograd")
-_LIBRARY.impl("write_kv", _write_kv, "CompositeExplicitAutograd")
-_LIBRARY.impl("paged_attention_quantized", _paged_attention_quantized, "CompositeExplicitAutograd")
-_LIBRARY.impl("write_kv_quantized", _write_kv_quantized, "CompositeExplicitAutograd")
-_LIBRARY.impl("paged_attention_quantized_any", _paged_attention_quantized, "CompositeExplicitAutograd")
-_LIBRARY.impl("write_kv_quantized_any", _write_kv_quantized, "CompositeExplicitAutograd")
+PYTHON_IMPLEMENTATIONS = {  # every op's Python implementation (`native_ops` replaces some on the CPU)
+    "paged_attention": _paged_attention,
+    "write_kv": _write_kv,
+    "paged_attention_quantized": _paged_attention_quantized,
+    "write_kv_quantized": _write_kv_quantized,
+    "paged_attention_staged": _paged_attention_staged,
+    "write_kv_staged": _write_kv_staged,
+}
+for _name, _implementation in PYTHON_IMPLEMENTATIONS.items():
+    _LIBRARY.impl(_name, _implementation, "CompositeExplicitAutograd")
+    if _name in _PASSED_ON:
+        _LIBRARY.impl(f"{_name}_any", _implementation, "CompositeExplicitAutograd")
 _LIBRARY.impl("hadamard_of", lambda x: hadamard(x.shape[-1], x.device), "CompositeExplicitAutograd")
-_LIBRARY.impl("paged_attention_staged", _paged_attention_staged, "CompositeExplicitAutograd")
-_LIBRARY.impl("write_kv_staged", _write_kv_staged, "CompositeExplicitAutograd")
 
 
 def _fake_attention(query, *args, **kwargs) -> torch.Tensor:
@@ -194,13 +177,9 @@ def _fake_write(*args, **kwargs) -> None:
     """Every write op's fake implementation: nothing returned (they write into their caches, as their schemas say)."""
 
 
-for _name in (
-    "paged_attention", "paged_attention_any", "paged_attention_quantized", "paged_attention_quantized_any",
-    "paged_attention_staged",
-):  # fmt: skip
-    torch.library.register_fake(f"hf_paged::{_name}", _fake_attention, lib=_LIBRARY)
-for _name in ("write_kv", "write_kv_quantized", "write_kv_quantized_any", "write_kv_staged"):
-    torch.library.register_fake(f"hf_paged::{_name}", _fake_write, lib=_LIBRARY)
+for _name in (*_SCHEMAS, *(f"{name}_any" for name in _PASSED_ON)):
+    _fake = _fake_attention if _name.startswith("paged_attention") else _fake_write
+    torch.library.register_fake(f"hf_paged::{_name}", _fake, lib=_LIBRARY)
 
 
 paged_attention = torch.ops.hf_paged.paged_attention.default
